@@ -1,0 +1,64 @@
+"""accelkit: one PyTorch training loop on any training backend.
+
+>>> import accelkit
+>>> accel = accelkit.get("cpu")
+>>> accel.device
+device(type='cpu')
+
+Heavy pieces load lazily: ``import accelkit`` imports torch and nothing of any backend library.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+from accelkit.hookspecs import hookimpl
+
+_LAZY = {
+    "get": "accelkit.api",
+    "describe": "accelkit.api",
+    "Accelerator": "accelkit.accelerator",
+    "Backend": "accelkit.backend",
+    "Capabilities": "accelkit.backend",
+    "Settings": "accelkit.backend",
+    "StepResult": "accelkit.backend",
+    "SetupResult": "accelkit.backend",
+    "seed_everything": "accelkit.seed",
+    "AccelkitError": "accelkit.errors",
+    "BackendNotFoundError": "accelkit.errors",
+    "CheckpointError": "accelkit.errors",
+    "ConfigError": "accelkit.errors",
+    "PluginMissingError": "accelkit.errors",
+    "UnsupportedError": "accelkit.errors",
+    "register_plugin": "accelkit.registry",
+}
+
+__all__ = ["__version__", "hookimpl", *_LAZY]
+
+if TYPE_CHECKING:
+    from accelkit.accelerator import Accelerator
+    from accelkit.api import describe, get
+    from accelkit.backend import Backend, Capabilities, SetupResult, Settings, StepResult
+    from accelkit.errors import (
+        AccelkitError,
+        BackendNotFoundError,
+        CheckpointError,
+        ConfigError,
+        PluginMissingError,
+        UnsupportedError,
+    )
+    from accelkit.registry import register_plugin
+    from accelkit.seed import seed_everything
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accelkit' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

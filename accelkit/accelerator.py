@@ -1,0 +1,404 @@
+"""The one facade users touch. It owns the training semantics of DESIGN.md (the micro-batch
+counter, loss scaling for accumulation, when a window closes, scheduler stepping) and delegates
+everything backend-specific to a :class:`~accelkit.backend.Backend`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from accelkit import distributed
+from accelkit.backend import Backend, Capabilities, StepResult
+from accelkit.data import AcceleratedDataLoader, rebuild_dataloader
+from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.seed import seed_everything
+from accelkit.wrappers import AcceleratedOptimizer, guard_scheduler_step, patch_forward
+
+log = logging.getLogger("accelkit")
+
+
+@dataclass
+class _Window:
+    """Accumulation state of one optimizer: micro-batches seen since the last applied step."""
+
+    micro: int = 0
+
+
+class Accelerator:
+    """Run one training loop on any backend. Build it with :func:`accelkit.get`."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._windows: dict[int, _Window] = {}
+        self._schedulers: dict[int, list[tuple[Any, Any]]] = {}
+        self._models: list[torch.nn.Module] = []
+        self._loaders: list[AcceleratedDataLoader] = []
+        self._end_of_loader = False
+        self._last: StepResult = StepResult()
+        self._applied_steps = 0
+
+    # ---- what we run on -----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.backend.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def precision(self) -> str:
+        return self.backend.settings.precision or "32-true"
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.backend.settings.accumulation_steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self.backend.settings.max_grad_norm
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps applied (windows closed, skipped ones included) since setup."""
+        return self._applied_steps
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(backend={self.name!r}, device={self.device}, precision={self.precision!r}, "
+            f"world_size={self.world_size}, accumulation_steps={self.accumulation_steps})"
+        )
+
+    # ---- setup --------------------------------------------------------------------------------
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Context to build the model in: on the device, on meta, or partitioned (ZeRO-3)."""
+        return self.backend.init_module(empty_init)
+
+    def setup(
+        self,
+        model: torch.nn.Module,
+        *optimizers: torch.optim.Optimizer,
+        scheduler: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Wrap ``model`` and its optimizers for the backend.
+
+        Returns the model alone, or ``(model, opt, ...)``. The returned optimizers are
+        ``torch.optim.Optimizer`` instances, so torch LR schedulers accept them. ``kwargs`` go
+        to the backend (``compile=True``, ``activation_checkpointing=...``, ...).
+        """
+        for opt in optimizers:
+            if isinstance(opt, AcceleratedOptimizer):
+                raise ConfigError("this optimizer was already set up; pass the original one")
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(f"setup() takes torch optimizers, got {type(opt).__name__}")
+        result = self.backend.setup(model, list(optimizers), **kwargs)
+        wrapped = patch_forward(result.model, self.backend)
+        self._models.append(wrapped)
+        outs = []
+        for inner in result.optimizers:
+            proxy = AcceleratedOptimizer(inner, self, wrapped)
+            self._optimizers.append(proxy)
+            self._windows[id(proxy)] = _Window()
+            self._schedulers[id(proxy)] = []
+            outs.append(proxy)
+        if scheduler is not None:
+            if len(outs) != 1:
+                raise ConfigError("scheduler= needs exactly one optimizer in setup(); use setup_scheduler()")
+            self.setup_scheduler(scheduler, outs[0])
+        return wrapped if not outs else (wrapped, *outs)
+
+    def setup_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer | None = None) -> Any:
+        """Have accelkit step ``scheduler`` after every applied step of ``optimizer``.
+
+        Not needed for a torch LR scheduler built on an optimizer from :meth:`setup`: those are
+        adopted automatically. Use this for a scheduler that was built on the original optimizer.
+        """
+        if optimizer is None:
+            target = getattr(scheduler, "optimizer", None)
+            matches = [o for o in self._optimizers if target is o or target is o.optimizer]
+            if not matches and len(self._optimizers) == 1:
+                matches = self._optimizers
+            if not matches:
+                raise ConfigError("cannot tell which optimizer this scheduler belongs to; pass optimizer=")
+            optimizer = matches[0]
+        if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            scheduler.optimizer = optimizer  # rebind: the backend may have replaced the optimizer
+        self._adopt_scheduler(scheduler, optimizer)
+        return scheduler
+
+    def _adopt_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer) -> None:
+        entries = self._schedulers.setdefault(id(optimizer), [])
+        if any(s is scheduler for s, _ in entries):
+            return
+        entries.append((scheduler, guard_scheduler_step(scheduler)))
+
+    def setup_dataloader(
+        self,
+        loader: torch.utils.data.DataLoader,
+        *,
+        shuffle: bool | None = None,
+        move_to_device: bool = True,
+        use_distributed_sampler: bool = True,
+    ) -> AcceleratedDataLoader:
+        """Shard ``loader`` by data-parallel rank, move batches, make it resumable mid-epoch."""
+        sampler = None
+        if use_distributed_sampler:
+            seed = self.backend.settings.seed
+            loader, sampler = rebuild_dataloader(
+                loader,
+                num_replicas=self.backend.data_parallel_world_size,
+                rank=self.backend.data_parallel_rank,
+                seed=0 if seed is None else seed,
+                shuffle=shuffle,
+                seed_workers=os.environ.get("ACCELKIT_SEED_WORKERS") == "1",
+            )
+        wrapped = AcceleratedDataLoader(loader, sampler, self, move_to_device)
+        self._loaders.append(wrapped)
+        hook = getattr(self.backend, "on_dataloader", None)
+        if hook is not None:
+            hook(wrapped)
+        return wrapped
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Precision context for code outside the model's forward (a loss computed separately)."""
+        if self.capabilities.controls_precision:
+            return contextlib.nullcontext()
+        return self.backend.forward_context()
+
+    def backward(self, loss: torch.Tensor, *, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+        """Backward with loss scaling; divides by ``accumulation_steps`` exactly once."""
+        steps = self.accumulation_steps
+        if steps > 1 and not self.capabilities.scales_loss_for_accumulation:
+            loss = loss / steps
+        if model is None and len(self._models) == 1:
+            model = self._models[0]
+        self.backend.backward(loss, model, **kwargs)
+
+    def _closes_next(self, window: _Window) -> bool:
+        return window.micro + 1 >= self.accumulation_steps or self._end_of_loader
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Skip gradient sync inside an accumulation window, where that is safe and cheap.
+
+        Optional: without it the numbers are the same and gradients sync every micro-batch.
+        """
+        models = models or tuple(self._models)
+        windows = list(self._windows.values())
+        closes = not windows or any(self._closes_next(w) for w in windows)
+        caps = self.capabilities
+        skip = (
+            not closes
+            and caps.no_sync
+            and self.world_size > 1
+            and (caps.no_sync_by_default or getattr(self.backend.options, "skip_sync_in_accumulation", False))
+        )
+        with contextlib.ExitStack() as stack:
+            if skip:
+                for model in models:
+                    stack.enter_context(self.backend.no_sync(model))
+            yield
+
+    def step(self, optimizer: AcceleratedOptimizer | None = None) -> bool:
+        """Count a micro-batch; when the window closes, unscale, clip, step, zero_grad, schedule.
+
+        Call it every micro-batch. Returns True when an optimizer step was applied (or skipped
+        by the fp16 loss scaler). A window closes after ``accumulation_steps`` micro-batches or
+        at the last batch of a loader from :meth:`setup_dataloader`, whichever comes first.
+        """
+        targets = [optimizer] if optimizer is not None else list(self._optimizers)
+        if not targets:
+            raise UnsupportedError("no optimizer was set up; pass one to accelerator.setup()")
+        applied = False
+        for opt in targets:
+            window = self._windows[id(opt)]
+            window.micro += 1
+            if window.micro < self.accumulation_steps and not self._end_of_loader:
+                continue
+            window.micro = 0
+            self._apply(opt)
+            applied = True
+        return applied
+
+    def _apply(self, opt: AcceleratedOptimizer) -> None:
+        settings = self.backend.settings
+        result = self.backend.optimizer_step(
+            opt._model,
+            opt.optimizer,
+            max_grad_norm=settings.max_grad_norm,
+            track_grad_norm=settings.track_grad_norm,
+        )
+        self.backend.zero_grad(opt.optimizer)
+        opt.__dict__["_opt_called"] = True  # what torch's LR schedulers check
+        self._last = result
+        self._applied_steps += 1
+        schedulers = self._schedulers.get(id(opt), [])
+        if schedulers and not (result.found_inf is not None and bool(result.found_inf > 0)):
+            for _, real_step in schedulers:
+                real_step()
+
+    def zero_grad(self, optimizer: AcceleratedOptimizer | None = None) -> None:
+        """Zero gradients, except inside an open accumulation window (they are still needed)."""
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            if self._windows[id(opt)].micro == 0:
+                self.backend.zero_grad(opt.optimizer)
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """Total gradient norm before clipping of the last applied step (0-d tensor; inf if skipped).
+
+        Computed only with ``max_grad_norm`` or ``track_grad_norm=True``; reading it with
+        ``float()`` is the only host sync.
+        """
+        return self._last.grad_norm
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last applied window was skipped (fp16 overflow)."""
+        found = self._last.found_inf
+        return found is not None and bool(found > 0)
+
+    def clip_grad_norm(self, max_norm: float, optimizer: AcceleratedOptimizer | None = None) -> torch.Tensor:
+        """Clip by hand (loops that clip themselves); returns the total norm before clipping."""
+        if self.max_grad_norm is not None:
+            raise ConfigError("max_grad_norm is set, so step() already clips; do not clip by hand too")
+        opts = [optimizer] if optimizer is not None else self._optimizers
+        if len(opts) != 1:
+            raise ConfigError("clip_grad_norm needs optimizer= when several optimizers are set up")
+        return self.backend.clip_grad_norm(opts[0]._model, opts[0].optimizer, max_norm)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's own module, without backend wrappers."""
+        return self.backend.unwrap(model)
+
+    def to_device(self, data: Any) -> Any:
+        """Move tensors in nested containers to this process's device."""
+        device = self.device
+
+        def move(obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                return obj.to(device, non_blocking=True)
+            if isinstance(obj, dict):
+                return type(obj)((k, move(v)) for k, v in obj.items())
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+                return type(obj)(*(move(v) for v in obj))
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(move(v) for v in obj)
+            return obj
+
+        return move(data)
+
+    def _on_batch(self, loader: AcceleratedDataLoader) -> None:
+        self._end_of_loader = loader.is_last_batch
+
+    def _on_epoch_end(self, loader: AcceleratedDataLoader) -> None:
+        self._end_of_loader = False
+
+    # ---- collectives --------------------------------------------------------------------------
+    def barrier(self) -> None:
+        distributed.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """All-reduce (``sum``, ``mean``, ``max``, ``min``) over every process; returns a copy."""
+        return distributed.all_reduce(tensor.to(self.device), op)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object (or tensor) from rank ``src`` to every rank."""
+        return distributed.broadcast_object(obj, src)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Gather per-rank results for evaluation, dropping the samples the sampler padded.
+
+        Tensors are concatenated along the first dimension (their sizes may differ per rank);
+        other objects come back as a list with one entry per sample.
+        """
+        valid = self._valid_in_last_batch()
+        if isinstance(data, torch.Tensor):
+            if valid is not None:
+                data = data[:valid]
+            sizes = distributed.all_gather_object(int(data.shape[0]) if data.dim() else 1)
+            data = data if data.dim() else data.unsqueeze(0)
+            pad = max(sizes) - data.shape[0]
+            if pad:
+                data = torch.cat([data, data.new_zeros((pad, *data.shape[1:]))])
+            gathered = distributed.all_gather(data.to(self.device))
+            return torch.cat([gathered[r, : sizes[r]] for r in range(len(sizes))])
+        items = list(data) if isinstance(data, (list, tuple)) else [data]
+        if valid is not None:
+            items = items[:valid]
+        return [x for part in distributed.all_gather_object(items) for x in part]
+
+    def _valid_in_last_batch(self) -> int | None:
+        """How many real (unpadded) samples this rank's current batch holds, at an epoch's end."""
+        for loader in self._loaders:
+            if loader.is_last_batch and loader.sampler is not None:
+                s = loader.sampler
+                rest = s.dataset_len - s.start
+                mine = len(range(s.rank, rest, s.num_replicas))
+                bs = loader.batch_size or 1
+                before = (len(loader) - 1) * bs
+                return max(mine - before, 0)
+        return None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def seed_everything(self, seed: int, *, workers: bool = True) -> int:
+        return seed_everything(seed, workers=workers)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: dict[str, Any], **kwargs: Any) -> Any:
+        """Write a portable checkpoint of ``state`` (models, optimizers, schedulers, loaders, extras)."""
+        from accelkit.checkpoint import save
+
+        return save(self, path, state, **kwargs)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Fill the objects in ``state`` in place from a checkpoint; return what was not consumed."""
+        from accelkit.checkpoint import load
+
+        return load(self, path, state, strict=strict, **kwargs)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model state dict (a gather on sharded backends; for export)."""
+        return self.backend.full_state_dict(model)
+
+    def teardown(self) -> None:
+        self.backend.teardown()

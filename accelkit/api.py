@@ -1,0 +1,83 @@
+"""``accelkit.get``: name + config -> a ready :class:`~accelkit.accelerator.Accelerator`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from accelkit import registry
+from accelkit.accelerator import Accelerator
+from accelkit.backend import Settings
+from accelkit.log import configure
+from accelkit.precision import normalize_precision
+from accelkit.seed import seed_everything
+
+
+def get(
+    name: str = "auto",
+    config: Any = None,
+    *,
+    precision: str | None = None,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    seed: int | None = None,
+    track_grad_norm: bool = False,
+    **options: Any,
+) -> Accelerator:
+    """Build the accelerator for backend ``name``.
+
+    Args:
+        name: a registered backend (``accelkit env`` lists them), or ``"auto"``.
+        config: backend options as a dict, a dataclass, a YAML/JSON path, or a backend's native
+            config (a DeepSpeed JSON dict is accepted as is).
+        precision: ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true`` or ``16-true``;
+            None takes the backend's native config, else ``32-true``.
+        accumulation_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the total gradient norm to this inside ``step()``.
+        seed: seed everything (and dataloader workers) before anything is built.
+        track_grad_norm: compute ``accel.grad_norm`` even without clipping.
+        **options: backend options, overriding ``config``.
+    """
+    host = registry.host()
+    spec = host.resolve(name)
+    backend_cls = spec.load_class()
+    select = getattr(backend_cls, "select_backend", None)
+    if select is not None:  # "auto": a backend that picks another
+        return get(
+            select(),
+            config,
+            precision=precision,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            seed=seed,
+            track_grad_norm=track_grad_norm,
+            **options,
+        )
+    canonical = spec.alias_of or spec.name
+    overrides = {**spec.defaults, **options}
+    backend_options = backend_cls.parse_config(name, config, overrides)
+    settings = Settings(
+        precision=normalize_precision(precision),
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        seed=seed,
+        track_grad_norm=track_grad_norm,
+    )
+    settings = backend_cls.resolve_settings(name, backend_options, settings)
+    if seed is not None:
+        seed_everything(seed)
+    configure()
+    backend = backend_cls(canonical, backend_options, settings)
+    backend.launch()
+    return Accelerator(backend)
+
+
+def describe(name: str) -> dict[str, Any]:
+    """Capabilities and dtype table of a backend, without building it (docs, ``accelkit env``)."""
+    spec = registry.host().resolve(name)
+    cls = spec.load_class()
+    return {
+        "name": name,
+        "capabilities": dataclasses.asdict(cls.capabilities),
+        "dtypes": {k: dataclasses.asdict(v) for k, v in cls.dtype_table.items()},
+    }

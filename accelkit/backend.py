@@ -1,0 +1,277 @@
+"""The backend protocol: what a plugin implements, and the defaults torch-native backends share.
+
+The :class:`~accelkit.accelerator.Accelerator` calls only the methods of :class:`Backend` and
+branches only on :class:`Capabilities`, never on a backend's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from accelkit import distributed
+from accelkit.config import build_options
+from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.precision import NATIVE_DTYPES, PRECISIONS, DtypeRow, Precision
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend controls and supports, in the spirit of ColossalAI's plugin flags."""
+
+    #: the backend runs precision itself; ``Accelerator.autocast()`` is then a no-op
+    controls_precision: bool = False
+    #: the backend places the model on its device itself (no ``.to(device)`` by accelkit)
+    controls_device: bool = False
+    #: the backend divides the loss by the accumulation steps itself (DeepSpeed's backward)
+    scales_loss_for_accumulation: bool = False
+    #: ``no_sync`` skips gradient sync inside an accumulation window
+    no_sync: bool = False
+    #: skipping sync is on by default (False where it costs memory, e.g. FSDP2)
+    no_sync_by_default: bool = True
+    #: ``Accelerator.clip_grad_norm`` works (false where gradients are partitioned)
+    manual_clip: bool = True
+    #: parameters or optimizer state are partitioned across ranks
+    sharded: bool = False
+    #: several processes; collectives are real
+    distributed: bool = False
+    #: parameters or optimizer state can live in CPU memory
+    offload: bool = False
+    #: precision strings the backend accepts
+    precisions: tuple[str, ...] = PRECISIONS
+    #: what ``init_module()`` does: "device", "meta", "zero.Init", "lazy"
+    init_context: str = "device"
+    #: ``setup(..., activation_checkpointing=...)`` is supported
+    activation_checkpointing: bool = True
+    #: ``setup(..., compile=True)`` is supported
+    compile: bool = True
+    #: accelkit's portable checkpoint reads and writes this backend's state
+    portable_checkpoint: bool = True
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The training semantics shared by every backend (DESIGN.md)."""
+
+    precision: str | None = None
+    accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    seed: int | None = None
+    track_grad_norm: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, (int, float))
+            or not self.max_grad_norm > 0
+        ):
+            raise ConfigError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
+
+
+@dataclass
+class StepResult:
+    """What one applied (or skipped) optimizer step reports back."""
+
+    grad_norm: torch.Tensor | None = None
+    #: 0-d tensor > 0 when the step was skipped (fp16 overflow); None when it cannot be skipped
+    found_inf: torch.Tensor | None = None
+
+
+@dataclass
+class NoOptions:
+    """Backends without options."""
+
+
+@dataclass
+class SetupResult:
+    model: torch.nn.Module
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+class Backend:
+    """Base class of every backend. Subclasses override what differs.
+
+    The defaults implement a single-process backend whose precision runs through a
+    :class:`~accelkit.precision.Precision` policy, so torch-native backends stay short.
+    """
+
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    options_class: ClassVar[type] = NoOptions
+    #: precision string -> param/compute/master/reduce dtypes, published in docs
+    dtype_table: ClassVar[dict[str, DtypeRow]] = NATIVE_DTYPES
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def parse_config(cls, name: str, config: Any, overrides: dict[str, Any]) -> Any:
+        """Validate the user's config; backends with a native config format override this."""
+        return build_options(cls.options_class, f"backend {name!r}", config, overrides)
+
+    @classmethod
+    def resolve_settings(cls, name: str, options: Any, settings: Settings) -> Settings:
+        """Final settings: precision from the explicit string, else the native config's, else
+        32-true. Backends with a native config also reconcile accumulation and clipping here
+        (a disagreement is an error)."""
+        resolved = settings.precision or "32-true"
+        if resolved not in cls.capabilities.precisions:
+            raise ConfigError(
+                f"backend {name!r} does not support precision {resolved!r}; "
+                f"supported: {', '.join(cls.capabilities.precisions)}"
+            )
+        return dataclasses.replace(settings, precision=resolved)
+
+    def __init__(self, name: str, options: Any, settings: Settings) -> None:
+        self.name = name
+        self.options = options
+        self.settings = settings
+        self.precision: Precision = Precision()
+        self._device = torch.device("cpu")
+
+    def launch(self) -> None:
+        """Pick the device and, for distributed backends, join the process group."""
+
+    def teardown(self) -> None:
+        """Release what ``launch`` acquired (the process group is left to its owner)."""
+
+    # ---- placement ----------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if distributed.is_initialized() else 1
+
+    @property
+    def local_rank(self) -> int:
+        return distributed.local_rank()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Rank among data-parallel replicas (differs from ``rank`` under tensor parallelism)."""
+        return self.rank
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.world_size
+
+    # ---- the training protocol -----------------------------------------------------------------
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Context in which the user builds the model."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.device)
+        init_context = getattr(self.precision, "init_context", None)
+        if init_context is not None:
+            stack.enter_context(init_context())
+        return stack
+
+    def setup(
+        self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], **kwargs: Any
+    ) -> SetupResult:
+        """Wrap the model and optimizers; return what the loop trains with."""
+        raise NotImplementedError
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return self.precision.forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        return self.precision.convert_input(data)
+
+    def convert_output(self, data: Any) -> Any:
+        return self.precision.convert_output(data)
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
+        self.precision.scale_loss(loss).backward(**kwargs)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def grad_norm(
+        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, max_norm: float | None
+    ) -> torch.Tensor:
+        """Total gradient norm of the optimizer's parameters, clipping to ``max_norm`` if given."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def clip_grad_norm(
+        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, max_norm: float
+    ) -> torch.Tensor:
+        """Clip by hand; only where ``capabilities.manual_clip``."""
+        if not self.capabilities.manual_clip:
+            raise UnsupportedError(
+                f"backend {self.name!r} partitions gradients, so they cannot be clipped by hand. "
+                "Pass max_grad_norm=... to accelkit.get() instead."
+            )
+        self.precision.unscale(optimizer)
+        return self.grad_norm(model, optimizer, max_norm)
+
+    def optimizer_step(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None,
+        track_grad_norm: bool,
+    ) -> StepResult:
+        """Unscale, clip, step, update the loss scale. ``zero_grad`` is separate."""
+        norm = None
+        if max_grad_norm is not None or track_grad_norm:
+            self.precision.unscale(optimizer)
+            norm = self.grad_norm(model, optimizer, max_grad_norm)
+        found_inf = self.precision.found_inf(optimizer)
+        self.precision.step(optimizer)
+        self.precision.update()
+        if found_inf is not None and norm is not None:
+            norm = torch.where(found_inf > 0, torch.full_like(norm, math.inf), norm)
+        return StepResult(norm, found_inf)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's own module inside whatever wrapper the backend added."""
+        inner = model
+        for attr in ("module", "_orig_mod"):
+            while hasattr(inner, attr) and isinstance(getattr(inner, attr), torch.nn.Module):
+                inner = getattr(inner, attr)
+        return inner
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The backend's own small state (loss scaler), saved with every checkpoint."""
+        return {"precision": self.precision.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state.get("precision", {}))
+
+    def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
+        """Yield this rank's pieces of model, master and optimizer state (portable checkpoint)."""
+        from accelkit.checkpoint.fragments import dense_fragments
+
+        return dense_fragments(self, state)
+
+    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
+        """Fill this rank's pieces of the objects in ``state`` from any checkpoint."""
+        from accelkit.checkpoint.fragments import load_dense_fragments
+
+        load_dense_fragments(self, reader, state)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model state dict on every rank (a documented gather, for export)."""
+        return {k: v.detach() for k, v in self.unwrap(model).state_dict().items()}

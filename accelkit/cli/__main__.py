@@ -1,0 +1,5 @@
+import sys
+
+from accelkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,131 @@
+"""Process-group plumbing: how we were launched, joining the group, and collectives that work
+the same with one process or many."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("accelkit")
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _slurm_env() -> dict[str, str] | None:
+    """Map SLURM's variables onto torch's when a script runs under ``srun`` without torchrun."""
+    if "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
+        return None
+    if os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+        return None
+    env = {
+        "RANK": os.environ["SLURM_PROCID"],
+        "WORLD_SIZE": os.environ.get("SLURM_NTASKS", "1"),
+        "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
+    }
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_NODELIST", "127.0.0.1")
+        env["MASTER_ADDR"] = nodelist.split(",")[0].replace("[", "").split("-")[0]
+    if "MASTER_PORT" not in os.environ:
+        env["MASTER_PORT"] = str(15000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
+    return env
+
+
+def launched_world_size() -> int:
+    """World size of the launcher that started us (torchrun, SLURM), 1 when none."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    slurm = _slurm_env()
+    return int(slurm["WORLD_SIZE"]) if slurm else 1
+
+
+def local_rank() -> int:
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return int(os.environ.get("SLURM_LOCALID", "0"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_process_group(device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the default process group (gloo on CPU, nccl on CUDA) if not already in one.
+
+    A single process started without a launcher gets a group of one, so distributed backends
+    run unchanged in a notebook. ``timeout_s`` bounds every collective: a rank that dies makes
+    the others fail within it instead of hanging.
+    """
+    if is_initialized():
+        return
+    slurm = _slurm_env()
+    if slurm:
+        os.environ.update(slurm)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(device.type, "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    log.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+
+
+def barrier() -> None:
+    if is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce a copy of ``tensor`` (``sum``, ``mean``, ``max``, ``min``) and return it."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in (*ops, "mean"):
+        raise ValueError(f"all_reduce op must be one of sum, mean, max, min, got {op!r}")
+    out = tensor.clone()
+    if not is_initialized() or dist.get_world_size() == 1:
+        return out
+    dist.all_reduce(out, op=ops.get(op, dist.ReduceOp.SUM))
+    if op == "mean":
+        out = out / dist.get_world_size()
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    if not is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Gather same-shaped tensors from every rank, stacked on a new first dimension."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.stack(parts)

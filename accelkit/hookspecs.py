@@ -1,0 +1,60 @@
+"""Hook specifications of the ``accelkit`` plugin system.
+
+A plugin is any module or object with functions marked ``@accelkit.hookimpl`` and exposed through
+an entry point of group ``accelkit``. Hooks are small and cheap: a plugin registers *names and
+factories*; its backend library is imported only when a backend of that name is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from accelkit.registry import BackendRegistry
+
+PROJECT_NAME = "accelkit"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def accelkit_register_backends(registry: BackendRegistry) -> None:
+    """Register backend names with ``registry.add(name, factory, ...)``.
+
+    Called once, at the first :func:`accelkit.get` or ``accelkit env``. Must not import the
+    backend library: pass the factory as a ``"module:attribute"`` string, or import inside it.
+    """
+
+
+@hookspec
+def accelkit_env_report() -> dict[str, Any]:
+    """Return ``{"library": version or None}`` for the libraries this plugin depends on.
+
+    Shown by ``accelkit env``. Read versions with ``importlib.metadata`` rather than importing.
+    """
+
+
+@hookspec
+def accelkit_checkpoint_importers() -> dict[str, Any]:
+    """Return ``{format_name: importer}`` for foreign checkpoint formats ``accelkit convert`` reads.
+
+    An importer is an object with ``detect(path) -> bool`` and
+    ``convert(path, dst, *, trust_pickle: bool) -> None``.
+    """
+
+
+@hookspec(firstresult=True)
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    """Return the per-device memory estimate (bytes, as a dict) of ``backend`` for a model, or None.
+
+    ``model_stats`` holds ``params``, ``trainable_params`` and ``activation_bytes``. Used by
+    ``accelkit plan``; the first plugin that knows the backend answers.
+    """
+
+
+@hookspec
+def accelkit_loggers() -> dict[str, Any]:
+    """Return ``{name: factory}`` of experiment trackers for :meth:`Accelerator.log`."""

@@ -1,0 +1,213 @@
+"""Precision policies for backends that let accelkit run precision (the torch-native ones).
+
+Strings follow Lightning Fabric's split between *mixed* (fp32 weights, autocast compute) and
+*true* (weights themselves in low precision). Backends that run precision themselves
+(``capabilities.controls_precision``) map the same strings onto their own settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from accelkit.errors import ConfigError
+
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_ALIASES = {
+    "32": "32-true",
+    "fp32": "32-true",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    "fp16": "16-mixed",
+}
+
+
+def normalize_precision(precision: str | int | None) -> str | None:
+    """Return the canonical precision string, or None; raise ConfigError on anything else."""
+    if precision is None:
+        return None
+    key = str(precision)
+    key = _ALIASES.get(key, key)
+    if key not in PRECISIONS:
+        raise ConfigError(
+            f"unknown precision {precision!r}. Valid precisions: {', '.join(PRECISIONS)} "
+            f"(aliases: {', '.join(sorted(_ALIASES))})"
+        )
+    return key
+
+
+def low_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float16
+
+
+@dataclass(frozen=True)
+class DtypeRow:
+    """What a precision string means on one backend (published in docs per backend)."""
+
+    param: str
+    compute: str
+    master: str
+    reduce: str
+
+
+#: The table of the torch-native backends (cpu/cuda/mps/ddp).
+NATIVE_DTYPES: dict[str, DtypeRow] = {
+    "32-true": DtypeRow("fp32", "fp32", "none (params are fp32)", "fp32"),
+    "bf16-mixed": DtypeRow("fp32", "bf16 (autocast)", "none (params are fp32)", "fp32"),
+    "16-mixed": DtypeRow("fp32", "fp16 (autocast) + dynamic loss scaling", "none (params are fp32)", "fp32"),
+    "bf16-true": DtypeRow("bf16", "bf16", "none", "bf16"),
+    "16-true": DtypeRow("fp16", "fp16", "none", "fp16"),
+}
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors in nested containers to ``dtype``; leave the rest alone."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if torch.is_floating_point(data) and data.dtype != dtype else data
+    if isinstance(data, dict):
+        return type(data)((k, _cast_floats(v, dtype)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_cast_floats(v, dtype) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_cast_floats(v, dtype) for v in data)
+    return data
+
+
+class Precision:
+    """Full precision: the base of every policy, and what ``32-true`` is."""
+
+    name = "32-true"
+    #: dtype of float inputs and outputs when the model runs in low precision, else None
+    input_dtype: torch.dtype | None = None
+    scaler: Any = None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        return data if self.input_dtype is None else _cast_floats(data, self.input_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return data if self.input_dtype is None else _cast_floats(data, torch.float32)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients to their true scale before clipping."""
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """0-d tensor > 0 when this step's gradients overflowed (after unscale), else None."""
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def update(self) -> None:
+        """Adjust the loss scale after a step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class MixedPrecision(Precision):
+    """fp32 weights, autocast compute; dynamic loss scaling for fp16."""
+
+    def __init__(self, precision: str, device_type: str) -> None:
+        self.name = precision
+        self.device_type = device_type
+        self.dtype = low_dtype(precision)
+        self.scaler = torch.amp.GradScaler(device_type) if self.dtype == torch.float16 else None
+        self._unscaled: set[int] = set()
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floats(data, torch.float32)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        if self.scaler is None:
+            return None
+        self.unscale(optimizer)
+        per_device = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return sum(v.to(torch.float32) for v in per_device.values())
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+            return
+        self.scaler.step(optimizer)
+        self._unscaled.discard(id(optimizer))
+
+    def update(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+class HalfPrecision(Precision):
+    """Weights and compute in bf16/fp16 (``-true``); float inputs are cast, outputs return fp32."""
+
+    def __init__(self, precision: str) -> None:
+        self.name = precision
+        self.input_dtype = low_dtype(precision)
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(self.input_dtype)
+
+    @contextlib.contextmanager
+    def init_context(self) -> Iterator[None]:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.input_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def native_precision(precision: str, device_type: str) -> Precision:
+    """The policy the torch-native backends use for ``precision`` on ``device_type``."""
+    if precision == "32-true":
+        return Precision()
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device_type)
+    return HalfPrecision(precision)
+
+
+def check_device_supports(precision: str, device: torch.device) -> None:
+    """Fail at ``get()`` when the device cannot run ``precision`` at all (not inside a kernel)."""
+    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"precision {precision!r} needs bf16 support, which {torch.cuda.get_device_name(device)} "
+            "lacks. Use '16-mixed' or '32-true'."
+        )
+    if device.type == "mps" and precision.startswith("bf16"):
+        try:
+            torch.ones(1, dtype=torch.bfloat16, device=device)
+        except (RuntimeError, TypeError) as err:
+            raise ConfigError(f"precision {precision!r} is not available on MPS here: {err}") from err

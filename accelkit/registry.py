@@ -1,0 +1,256 @@
+"""Backend discovery through pluggy and the ``accelkit`` entry-point group.
+
+Entry points are read at the first :func:`accelkit.get` or ``accelkit env``, never at import.
+accelkit loads each entry point itself inside its own try/except (pluggy's
+``load_setuptools_entrypoints`` stops at the first failing one), so a broken plugin is
+reported and never breaks another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from accelkit import hookspecs
+from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+from accelkit.config import closest
+from accelkit.errors import BackendNotFoundError, PluginMissingError
+
+log = logging.getLogger("accelkit")
+
+ENTRY_POINT_GROUP = "accelkit"
+DISABLE_ENV = "ACCELKIT_DISABLE_PLUGINS"
+
+
+@dataclass
+class BackendSpec:
+    """One registered backend name."""
+
+    name: str
+    #: the Backend class, or "module:attribute" imported when first built
+    factory: str | Callable[..., Any]
+    #: options preset by this name (``deepspeed_stage_2`` presets ``zero_stage=2``)
+    defaults: dict[str, Any] = field(default_factory=dict)
+    #: import names of the libraries the backend needs (checked without importing them)
+    requires: tuple[str, ...] = ()
+    #: what to run when a required library is missing
+    install: str = ""
+    description: str = ""
+    plugin: str = ""
+    alias_of: str | None = None
+
+    def missing_libraries(self) -> list[str]:
+        return [lib for lib in self.requires if importlib.util.find_spec(lib) is None]
+
+    def load_class(self) -> Any:
+        if isinstance(self.factory, str):
+            module_name, _, attr = self.factory.partition(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return self.factory
+
+
+@dataclass
+class PluginRecord:
+    name: str
+    distribution: str
+    version: str
+    status: str  # "loaded" | "failed"
+    error: str = ""
+    backends: list[str] = field(default_factory=list)
+
+
+class BackendRegistry:
+    """Names to backend factories; filled by the ``accelkit_register_backends`` hook."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, BackendSpec] = {}
+        self._current_plugin = ""
+
+    def add(
+        self,
+        name: str,
+        factory: str | Callable[..., Any],
+        *,
+        aliases: Iterable[str] = (),
+        defaults: dict[str, Any] | None = None,
+        requires: Iterable[str] = (),
+        install: str = "",
+        description: str = "",
+    ) -> None:
+        """Register ``name`` (and ``aliases``) for ``factory``; a later plugin may not shadow one."""
+        spec = BackendSpec(
+            name,
+            factory,
+            dict(defaults or {}),
+            tuple(requires),
+            install,
+            description,
+            self._current_plugin,
+        )
+        for key in (name, *aliases):
+            if key in self._specs and self._specs[key].plugin != spec.plugin:
+                raise ValueError(
+                    f"backend name {key!r} is already registered by plugin {self._specs[key].plugin!r}"
+                )
+            self._specs[key] = spec if key == name else BackendSpec(**{**spec.__dict__, "alias_of": name})
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def get(self, name: str) -> BackendSpec | None:
+        return self._specs.get(name)
+
+    def specs(self) -> list[BackendSpec]:
+        return [self._specs[n] for n in self.names()]
+
+
+class PluginHost:
+    """The plugin manager plus the registry it filled; one per process (see :func:`host`)."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.registry = BackendRegistry()
+        self.plugins: list[PluginRecord] = []
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    # ---- loading ------------------------------------------------------------------------------
+    def ensure_loaded(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+                self._register("native", "accelkit", _version(), "accelkit.backends")
+                return
+            seen = set()
+            for ep in _entry_points():
+                if ep.name in seen:
+                    continue
+                seen.add(ep.name)
+                dist = ep.dist.name if ep.dist else "?"
+                version = ep.dist.version if ep.dist else "?"
+                self._register(ep.name, dist, version, ep)
+            if "native" not in seen:  # running from a source tree without installed metadata
+                self._register("native", "accelkit", _version(), "accelkit.backends")
+
+    def register_plugin(self, plugin: Any, name: str) -> None:
+        """Register an in-process plugin object (tests, notebooks) and its backends now."""
+        self.ensure_loaded()
+        self._register(name, "(in process)", "", plugin)
+
+    def _register(self, name: str, dist: str, version: str, source: Any) -> None:
+        record = PluginRecord(name, dist, version, "loaded")
+        try:
+            if isinstance(source, str):
+                plugin = importlib.import_module(source)
+            elif isinstance(source, metadata.EntryPoint):
+                plugin = source.load()
+            else:
+                plugin = source
+            self.pm.register(plugin, name=name)
+            before = set(self.registry.names())
+            self.registry._current_plugin = name
+            for impl in self.pm.hook.accelkit_register_backends.get_hookimpls():
+                if impl.plugin_name == name:
+                    impl.function(registry=self.registry)
+            record.backends = sorted(set(self.registry.names()) - before)
+        except Exception as err:  # a broken plugin must not break the others
+            record.status = "failed"
+            record.error = f"{type(err).__name__}: {err}"
+            if self.pm.has_plugin(name):
+                self.pm.unregister(name=name)
+            log.warning("accelkit plugin %r (%s) failed to load: %s", name, dist, record.error)
+        finally:
+            self.registry._current_plugin = ""
+        self.plugins.append(record)
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def resolve(self, name: str) -> BackendSpec:
+        """The spec for ``name``, or an error saying what is registered and what to install."""
+        self.ensure_loaded()
+        spec = self.registry.get(name)
+        if spec is not None:
+            missing = spec.missing_libraries()
+            if missing:
+                raise PluginMissingError(
+                    f"backend {name!r} needs {', '.join(missing)}, which is not installed. "
+                    + (f"Install it: {spec.install}" if spec.install else "")
+                )
+            return spec
+        failed = [p for p in self.plugins if p.status == "failed"]
+        known = KNOWN_PLUGIN_BACKENDS.get(name)
+        if known:
+            dist, pip_line = known
+            for rec in failed:
+                if rec.distribution.replace("_", "-") == dist:
+                    raise PluginMissingError(
+                        f"backend {name!r} comes from plugin {dist!r}, which is installed but failed "
+                        f"to load: {rec.error}. Run `accelkit env` for details."
+                    )
+            raise PluginMissingError(
+                f"backend {name!r} is provided by the plugin distribution {dist!r}, which is not "
+                f"installed. Install it: {pip_line}"
+            )
+        msg = f"unknown backend {name!r}."
+        hint = closest(name, self.registry.names())
+        if hint:
+            msg += f" Did you mean {hint!r}?"
+        msg += f" Registered backends: {', '.join(self.registry.names())}."
+        if failed:
+            msg += " Plugins that failed to load: " + "; ".join(f"{p.name} ({p.error})" for p in failed)
+        raise BackendNotFoundError(msg)
+
+    def env_report(self) -> dict[str, Any]:
+        self.ensure_loaded()
+        report: dict[str, Any] = {}
+        for plugin_name, plugin in self.pm.list_name_plugin():
+            impl = getattr(plugin, "accelkit_env_report", None)
+            if impl is None:
+                continue
+            try:
+                report.update(impl() or {})
+            except Exception as err:
+                report[f"{plugin_name} (env report failed)"] = str(err)
+        return report
+
+
+def _version() -> str:
+    from accelkit import __version__
+
+    return __version__
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+_HOST: PluginHost | None = None
+
+
+def host() -> PluginHost:
+    """The process-wide plugin host (created lazily; entry points load on first use)."""
+    global _HOST
+    if _HOST is None:
+        _HOST = PluginHost()
+    return _HOST
+
+
+def reset() -> None:
+    """Forget every loaded plugin (tests)."""
+    global _HOST
+    _HOST = None
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> None:
+    """Register a plugin object in this process (no entry point needed): tests, notebooks."""
+    host().register_plugin(plugin, name or getattr(plugin, "__name__", repr(plugin)))

@@ -1,0 +1,161 @@
+"""What ``setup`` hands back: the user's module with its forward under the precision policy, and
+a real ``torch.optim.Optimizer`` whose ``step``/``zero_grad`` go through the Accelerator."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from accelkit.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from accelkit.accelerator import Accelerator
+    from accelkit.backend import Backend
+
+log = logging.getLogger("accelkit")
+
+
+def patch_forward(module: torch.nn.Module, backend: Backend) -> torch.nn.Module:
+    """Run ``module``'s forward under the backend's precision policy, in place.
+
+    Patching the instance (instead of wrapping it in another Module) keeps ``state_dict`` keys,
+    ``isinstance`` checks and attribute access exactly as the user wrote them.
+    """
+    if getattr(module, "_accelkit_forward_patched", False):
+        return module
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = backend.convert_input((args, kwargs))
+        with backend.forward_context():
+            out = original(*args, **kwargs)
+        return backend.convert_output(out)
+
+    module.forward = forward
+    module._accelkit_forward_patched = True
+    return module
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """The optimizer ``setup`` returns. Shares ``param_groups`` and ``state`` with the backend's.
+
+    ``step()`` is :meth:`Accelerator.step` for this optimizer: it applies only when the
+    accumulation window closes. ``zero_grad()`` does nothing inside an open window. An LR
+    scheduler built on this optimizer is adopted: accelkit steps it after each applied step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any) -> None:
+        # Optimizer.__init__ is not called on purpose: the state lives in ``optimizer``.
+        self.__dict__["_optimizer"] = optimizer
+        self.__dict__["_accelerator"] = accelerator
+        self.__dict__["_model"] = model
+        self.__dict__["_schedulers"] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The backend's optimizer (DeepSpeed's or FSDP's, for example)."""
+        return self.__dict__["_optimizer"]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise UnsupportedError("optimizer closures are not supported by accelkit; call step() without one")
+        return self.__dict__["_accelerator"].step(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.__dict__["_accelerator"].zero_grad(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_optimizer"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "step" and getattr(value, "_wrapped_by_lr_sched", False):
+            scheduler = _constructing_scheduler()
+            if scheduler is not None:
+                self.__dict__["_accelerator"]._adopt_scheduler(scheduler, self)
+        object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.optimizer.__getstate__()
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def _constructing_scheduler() -> LRScheduler | None:
+    """The LRScheduler whose ``__init__`` is patching our ``step`` (torch does that on purpose)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(6):
+            frame = frame.f_back if frame else None
+            if frame is None:
+                return None
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, LRScheduler) and not isinstance(candidate, ReduceLROnPlateau):
+                return candidate
+        return None
+    finally:
+        del frame
+
+
+def guard_scheduler_step(scheduler: LRScheduler) -> Any:
+    """Make a user's own ``scheduler.step()`` a warned no-op; return the real step for accelkit."""
+    real_step = scheduler.step
+    warned = []
+
+    @functools.wraps(real_step)
+    def step(*args: Any, **kwargs: Any) -> None:
+        if scheduler._step_count == 0:  # torch's own initial step inside LRScheduler.__init__
+            real_step(*args, **kwargs)
+            return
+        if not warned:
+            warned.append(True)
+            warnings.warn(
+                "accelkit steps this LR scheduler after every applied optimizer step (and not on "
+                "a skipped fp16 step); this call of scheduler.step() is ignored. Remove it from "
+                "your loop.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    scheduler.step = step
+    return real_step
