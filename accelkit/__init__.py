@@ -40,7 +40,7 @@ __all__ = ["__version__", "hookimpl", *_LAZY]
 if TYPE_CHECKING:
     from accelkit.accelerator import Accelerator
     from accelkit.api import describe, get
-    from accelkit.backend import Backend, Capabilities, SetupResult, Settings, StepResult
+    from accelkit.backend import Backend, Capabilities, Settings, SetupResult, StepResult
     from accelkit.errors import (
         AccelkitError,
         BackendNotFoundError,

@@ -137,7 +137,9 @@ class Accelerator:
             outs.append(proxy)
         if scheduler is not None:
             if len(outs) != 1:
-                raise ConfigError("scheduler= needs exactly one optimizer in setup(); use setup_scheduler()")
+                raise ConfigError(
+                    "scheduler= needs exactly one optimizer in setup(); use setup_scheduler()"
+                )
             self.setup_scheduler(scheduler, outs[0])
         return wrapped if not outs else (wrapped, *outs)
 
@@ -153,7 +155,9 @@ class Accelerator:
             if not matches and len(self._optimizers) == 1:
                 matches = self._optimizers
             if not matches:
-                raise ConfigError("cannot tell which optimizer this scheduler belongs to; pass optimizer=")
+                raise ConfigError(
+                    "cannot tell which optimizer this scheduler belongs to; pass optimizer="
+                )
             optimizer = matches[0]
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             scheduler.optimizer = optimizer  # rebind: the backend may have replaced the optimizer
@@ -200,7 +204,9 @@ class Accelerator:
             return contextlib.nullcontext()
         return self.backend.forward_context()
 
-    def backward(self, loss: torch.Tensor, *, model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+    def backward(
+        self, loss: torch.Tensor, *, model: torch.nn.Module | None = None, **kwargs: Any
+    ) -> None:
         """Backward with loss scaling; divides by ``accumulation_steps`` exactly once."""
         steps = self.accumulation_steps
         if steps > 1 and not self.capabilities.scales_loss_for_accumulation:
@@ -226,7 +232,10 @@ class Accelerator:
             not closes
             and caps.no_sync
             and self.world_size > 1
-            and (caps.no_sync_by_default or getattr(self.backend.options, "skip_sync_in_accumulation", False))
+            and (
+                caps.no_sync_by_default
+                or getattr(self.backend.options, "skip_sync_in_accumulation", False)
+            )
         )
         with contextlib.ExitStack() as stack:
             if skip:
@@ -293,10 +302,14 @@ class Accelerator:
         found = self._last.found_inf
         return found is not None and bool(found > 0)
 
-    def clip_grad_norm(self, max_norm: float, optimizer: AcceleratedOptimizer | None = None) -> torch.Tensor:
+    def clip_grad_norm(
+        self, max_norm: float, optimizer: AcceleratedOptimizer | None = None
+    ) -> torch.Tensor:
         """Clip by hand (loops that clip themselves); returns the total norm before clipping."""
         if self.max_grad_norm is not None:
-            raise ConfigError("max_grad_norm is set, so step() already clips; do not clip by hand too")
+            raise ConfigError(
+                "max_grad_norm is set, so step() already clips; do not clip by hand too"
+            )
         opts = [optimizer] if optimizer is not None else self._optimizers
         if len(opts) != 1:
             raise ConfigError("clip_grad_norm needs optimizer= when several optimizers are set up")
@@ -390,7 +403,9 @@ class Accelerator:
 
         return save(self, path, state, **kwargs)
 
-    def load(self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+    def load(
+        self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
         """Fill the objects in ``state`` in place from a checkpoint; return what was not consumed."""
         from accelkit.checkpoint import load
 

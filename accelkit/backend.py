@@ -68,13 +68,17 @@ class Settings:
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise ConfigError(f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}")
+            raise ConfigError(
+                f"accumulation_steps must be an int >= 1, got {self.accumulation_steps!r}"
+            )
         if self.max_grad_norm is not None and (
             isinstance(self.max_grad_norm, bool)
             or not isinstance(self.max_grad_norm, (int, float))
             or not self.max_grad_norm > 0
         ):
-            raise ConfigError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
+            raise ConfigError(
+                f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}"
+            )
 
 
 @dataclass
@@ -199,10 +203,15 @@ class Backend:
         return contextlib.nullcontext()
 
     def grad_norm(
-        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, max_norm: float | None
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
     ) -> torch.Tensor:
         """Total gradient norm of the optimizer's parameters, clipping to ``max_norm`` if given."""
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        params = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
         if not params:
             return torch.zeros((), device=self.device)
         if max_norm is None:

@@ -34,7 +34,9 @@ def load_config_source(config: Any) -> dict[str, Any]:
             except json.JSONDecodeError as err:
                 raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from err
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping, not {type(data).__name__}")
+            raise ConfigError(
+                f"config file {str(path)!r} must hold a mapping, not {type(data).__name__}"
+            )
         return data
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

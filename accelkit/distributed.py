@@ -84,7 +84,9 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
     if device.type == "cuda":
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
-    log.debug("joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
+    log.debug(
+        "joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend
+    )
 
 
 def barrier() -> None:

@@ -58,7 +58,9 @@ class DtypeRow:
 NATIVE_DTYPES: dict[str, DtypeRow] = {
     "32-true": DtypeRow("fp32", "fp32", "none (params are fp32)", "fp32"),
     "bf16-mixed": DtypeRow("fp32", "bf16 (autocast)", "none (params are fp32)", "fp32"),
-    "16-mixed": DtypeRow("fp32", "fp16 (autocast) + dynamic loss scaling", "none (params are fp32)", "fp32"),
+    "16-mixed": DtypeRow(
+        "fp32", "fp16 (autocast) + dynamic loss scaling", "none (params are fp32)", "fp32"
+    ),
     "bf16-true": DtypeRow("bf16", "bf16", "none", "bf16"),
     "16-true": DtypeRow("fp16", "fp16", "none", "fp16"),
 }
@@ -201,7 +203,11 @@ def native_precision(precision: str, device_type: str) -> Precision:
 
 def check_device_supports(precision: str, device: torch.device) -> None:
     """Fail at ``get()`` when the device cannot run ``precision`` at all (not inside a kernel)."""
-    if device.type == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
+    if (
+        device.type == "cuda"
+        and precision.startswith("bf16")
+        and not torch.cuda.is_bf16_supported()
+    ):
         raise ConfigError(
             f"precision {precision!r} needs bf16 support, which {torch.cuda.get_device_name(device)} "
             "lacks. Use '16-mixed' or '32-true'."
@@ -210,4 +216,6 @@ def check_device_supports(precision: str, device: torch.device) -> None:
         try:
             torch.ones(1, dtype=torch.bfloat16, device=device)
         except (RuntimeError, TypeError) as err:
-            raise ConfigError(f"precision {precision!r} is not available on MPS here: {err}") from err
+            raise ConfigError(
+                f"precision {precision!r} is not available on MPS here: {err}"
+            ) from err

@@ -100,7 +100,9 @@ class BackendRegistry:
                 raise ValueError(
                     f"backend name {key!r} is already registered by plugin {self._specs[key].plugin!r}"
                 )
-            self._specs[key] = spec if key == name else BackendSpec(**{**spec.__dict__, "alias_of": name})
+            self._specs[key] = (
+                spec if key == name else BackendSpec(**{**spec.__dict__, "alias_of": name})
+            )
 
     def names(self) -> list[str]:
         return sorted(self._specs)
@@ -207,7 +209,9 @@ class PluginHost:
             msg += f" Did you mean {hint!r}?"
         msg += f" Registered backends: {', '.join(self.registry.names())}."
         if failed:
-            msg += " Plugins that failed to load: " + "; ".join(f"{p.name} ({p.error})" for p in failed)
+            msg += " Plugins that failed to load: " + "; ".join(
+                f"{p.name} ({p.error})" for p in failed
+            )
         raise BackendNotFoundError(msg)
 
     def env_report(self) -> dict[str, Any]:

@@ -51,7 +51,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     scheduler built on this optimizer is adopted: accelkit steps it after each applied step.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any
+    ) -> None:
         # Optimizer.__init__ is not called on purpose: the state lives in ``optimizer``.
         self.__dict__["_optimizer"] = optimizer
         self.__dict__["_accelerator"] = accelerator
@@ -89,7 +91,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if closure is not None:
-            raise UnsupportedError("optimizer closures are not supported by accelkit; call step() without one")
+            raise UnsupportedError(
+                "optimizer closures are not supported by accelkit; call step() without one"
+            )
         return self.__dict__["_accelerator"].step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -10,12 +10,31 @@ from accelkit.hookspecs import hookimpl
 
 @hookimpl
 def accelkit_register_backends(registry: Any) -> None:
-    registry.add("cpu", "accelkit.backends.single:SingleDeviceBackend", description="one process on the CPU")
-    registry.add("cuda", "accelkit.backends.single:SingleDeviceBackend", aliases=("gpu",), description="one CUDA device")
-    registry.add("mps", "accelkit.backends.single:SingleDeviceBackend", description="Apple MPS device")
-    registry.add("ddp", "accelkit.backends.ddp:DDPBackend", description="torch DistributedDataParallel (gloo on CPU, nccl on CUDA)")
-    registry.add("fsdp", "accelkit.backends.fsdp:FSDPBackend", description="torch FSDP2 (fully_shard)")
-    registry.add("auto", "accelkit.backends.single:AutoBackend", description="ddp when launched on several processes, else the best single device")
+    registry.add(
+        "cpu", "accelkit.backends.single:SingleDeviceBackend", description="one process on the CPU"
+    )
+    registry.add(
+        "cuda",
+        "accelkit.backends.single:SingleDeviceBackend",
+        aliases=("gpu",),
+        description="one CUDA device",
+    )
+    registry.add(
+        "mps", "accelkit.backends.single:SingleDeviceBackend", description="Apple MPS device"
+    )
+    registry.add(
+        "ddp",
+        "accelkit.backends.ddp:DDPBackend",
+        description="torch DistributedDataParallel (gloo on CPU, nccl on CUDA)",
+    )
+    registry.add(
+        "fsdp", "accelkit.backends.fsdp:FSDPBackend", description="torch FSDP2 (fully_shard)"
+    )
+    registry.add(
+        "auto",
+        "accelkit.backends.single:AutoBackend",
+        description="ddp when launched on several processes, else the best single device",
+    )
 
 
 @hookimpl

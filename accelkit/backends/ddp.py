@@ -42,7 +42,9 @@ class DDPBackend(SingleDeviceBackend):
     def launch(self) -> None:
         want = self.options.device
         if want == "cuda" and not device_available("cuda"):
-            raise ConfigError("ddp: device='cuda' but no CUDA device is available; use device='cpu'")
+            raise ConfigError(
+                "ddp: device='cuda' but no CUDA device is available; use device='cpu'"
+            )
         use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
         if use_cuda:
             index = distributed.local_rank()
@@ -80,4 +82,8 @@ class DDPBackend(SingleDeviceBackend):
         return SetupResult(ddp, optimizers)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return model.no_sync() if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+        return (
+            model.no_sync()
+            if isinstance(model, DistributedDataParallel)
+            else contextlib.nullcontext()
+        )

@@ -45,7 +45,9 @@ class SingleDeviceBackend(Backend):
         if device_type == "cuda":
             index = distributed.local_rank() if index is None else index
             if index >= torch.cuda.device_count():
-                raise ConfigError(f"device_index {index} out of range: {torch.cuda.device_count()} CUDA devices")
+                raise ConfigError(
+                    f"device_index {index} out of range: {torch.cuda.device_count()} CUDA devices"
+                )
             torch.cuda.set_device(index)
             self._device = torch.device("cuda", index)
         else:
