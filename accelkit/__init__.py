@@ -35,7 +35,26 @@ _LAZY = {
     "register_plugin": "accelkit.registry",
 }
 
-__all__ = ["__version__", "hookimpl", *_LAZY]
+__all__ = [
+    "__version__",
+    "hookimpl",
+    "get",
+    "describe",
+    "Accelerator",
+    "Backend",
+    "Capabilities",
+    "Settings",
+    "StepResult",
+    "SetupResult",
+    "seed_everything",
+    "AccelkitError",
+    "BackendNotFoundError",
+    "CheckpointError",
+    "ConfigError",
+    "PluginMissingError",
+    "UnsupportedError",
+    "register_plugin",
+]
 
 if TYPE_CHECKING:
     from accelkit.accelerator import Accelerator
