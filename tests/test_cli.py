@@ -1,0 +1,356 @@
+"""The ``accelkit`` command line: env, run, demo and the command table.
+
+Every command runs in a subprocess, as a user would run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables (the tests may run under one)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
+
+
+def accelkit(*args: str, env: dict[str, str] | None = None, timeout: float = 180, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "accelkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or clean_env(),
+        cwd=cwd,
+    )
+
+
+def checkpoint_available() -> bool:
+    import importlib
+
+    try:
+        return hasattr(importlib.import_module("accelkit.checkpoint"), "save")
+    except ImportError:
+        return False
+
+
+# ---- the command table ---------------------------------------------------------------------------
+def test_help_lists_commands_through_the_console_script():
+    script = Path(sys.executable).with_name("accelkit")
+    assert script.exists(), f"console script not installed next to {sys.executable}"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("env", "run", "demo"):
+        assert f"    {command} " in out.stdout, out.stdout
+
+
+def test_no_command_prints_help_and_fails():
+    out = accelkit()
+    assert out.returncode == 2
+    assert "usage: accelkit" in out.stdout
+
+
+# ---- env -----------------------------------------------------------------------------------------
+def test_env_json_lists_native_backends_with_status():
+    out = accelkit("env", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report) >= {"versions", "devices", "plugins", "backends"}
+    import torch
+
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["devices"]["cpu"]["usable_cores"] >= 1
+    statuses = {b["name"]: b["status"] for b in report["backends"]}
+    allowed = {"ready", "library missing", "failed to load", "not installed"}
+    for name in ("cpu", "ddp", "fsdp", "auto"):
+        assert statuses.get(name) in allowed, (name, statuses)
+    for name in ("cpu", "ddp", "auto"):
+        assert statuses[name] == "ready", statuses
+    native = [p for p in report["plugins"] if p["name"] == "native"]
+    assert native and native[0]["status"] == "loaded"
+    assert native[0]["libraries"]["torch"] == torch.__version__
+
+
+def test_env_text_shows_every_section():
+    out = accelkit("env")
+    assert out.returncode == 0, out.stderr
+    for heading in ("versions", "devices", "plugins", "backends"):
+        assert f"\n{heading}\n" in f"\n{out.stdout}", out.stdout
+    assert "torch" in out.stdout and "cpu" in out.stdout
+
+
+def test_env_imports_no_backend_library():
+    code = textwrap.dedent(
+        """
+        import contextlib, io, sys
+        from accelkit.cli import main
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["env", "--json"]) == 0
+        heavy = {"deepspeed", "colossalai", "apex", "fairscale", "mmengine"}
+        print(sorted(m for m in sys.modules if m.split(".")[0] in heavy))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env()
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_env_reports_missing_library_broken_plugin_and_known_plugins():
+    """In-process: a plugin whose backend needs an absent library, and one whose hook raises."""
+    from accelkit import registry
+    from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+    from accelkit.cli import env
+    from accelkit.hookspecs import hookimpl
+
+    class NeedsLibrary:
+        @hookimpl
+        def accelkit_register_backends(self, registry):
+            registry.add(
+                "needs_lib",
+                "accelkit_test_absent_module:Backend",
+                requires=("accelkit_test_absent_library",),
+                install="pip install accelkit-test-absent",
+            )
+
+        @hookimpl
+        def accelkit_env_report(self):
+            return {"accelkit_test_absent_library": None}
+
+    class Broken:
+        @hookimpl
+        def accelkit_register_backends(self, registry):
+            raise RuntimeError("boom from a broken plugin")
+
+    class MissingModule:
+        @hookimpl
+        def accelkit_register_backends(self, registry):
+            registry.add("no_module", "accelkit_test_absent_module:Backend")
+
+    registry.reset()
+    try:
+        registry.register_plugin(NeedsLibrary(), "needs-library")
+        registry.register_plugin(Broken(), "broken")
+        registry.register_plugin(MissingModule(), "missing-module")
+        report = env.collect()
+    finally:
+        registry.reset()
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert plugins["needs-library"]["status"] == "loaded"
+    assert plugins["needs-library"]["libraries"] == {"accelkit_test_absent_library": None}
+    assert plugins["broken"]["status"] == "failed"
+    assert "boom from a broken plugin" in plugins["broken"]["error"]
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["needs_lib"]["status"] == "library missing"
+    assert backends["needs_lib"]["missing"] == ["accelkit_test_absent_library"]
+    assert backends["needs_lib"]["install"] == "pip install accelkit-test-absent"
+    assert backends["no_module"]["status"] == "failed to load"
+    assert "accelkit_test_absent_module" in backends["no_module"]["reason"]
+    assert backends["cpu"]["status"] == "ready"
+    for name, (_, pip_line) in KNOWN_PLUGIN_BACKENDS.items():
+        if backends[name]["status"] == "not installed":
+            assert backends[name]["install"] == pip_line
+    text = env.render(report)
+    assert "boom from a broken plugin" in text
+    assert "pip install accelkit-test-absent" in text
+
+
+# ---- run -----------------------------------------------------------------------------------------
+TWO_RANK_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+assert os.environ["WORLD_SIZE"] == "2", os.environ["WORLD_SIZE"]
+dist.init_process_group("gloo")
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+out = os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json")
+with open(out, "w") as f:
+    json.dump({"sum": value.item(), "argv": sys.argv[2:],
+               "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_run_launches_two_ranks_that_all_reduce(tmp_path):
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANK_SCRIPT)
+    env = clean_env()
+    env.pop("OMP_NUM_THREADS")
+    # the script's own flags include a prefix of ours (--nproc) and one of ours exactly
+    out = accelkit(
+        "run",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        str(tmp_path),
+        "--nproc",
+        "3",
+        "--nnodes",
+        "x",
+        env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["sum"] == 3.0  # 1 + 2
+        assert result["argv"] == ["--nproc", "3", "--nnodes", "x"]
+        assert result["omp"] == "1"  # set when unset, as torchrun does
+
+
+def test_run_returns_the_failing_rank_exit_code(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    out = accelkit("run", "--nproc-per-node", "2", str(script))
+    assert out.returncode == 3, out.stdout + out.stderr
+
+
+def test_run_passes_multi_node_flags_to_torchrun():
+    import argparse
+
+    from torch.distributed import run as torchrun
+
+    from accelkit.cli import run as run_command
+
+    parser = argparse.ArgumentParser()
+    run_command.add_parser(parser)
+    args = parser.parse_args(
+        [
+            "--nnodes=2",
+            "--node_rank",
+            "1",
+            "--nproc-per-node",
+            "8",
+            "--master-addr",
+            "node0",
+            "--master-port",
+            "29501",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "node0:29400",
+            "--rdzv-id",
+            "job7",
+            "--rdzv-conf",
+            "timeout=60",
+            "--max-restarts",
+            "2",
+            "-m",
+            "pkg.train",
+            "--lr",
+            "1",
+        ]
+    )
+    argv = run_command.torchrun_argv(args)
+    parsed = torchrun.get_args_parser().parse_args(argv)
+    assert parsed.nnodes == "2"
+    assert parsed.node_rank == 1
+    assert parsed.nproc_per_node == "8"
+    assert parsed.master_addr == "node0"
+    assert parsed.master_port == 29501
+    assert parsed.rdzv_backend == "c10d"
+    assert parsed.rdzv_endpoint == "node0:29400"
+    assert parsed.rdzv_id == "job7"
+    assert parsed.rdzv_conf == "timeout=60"
+    assert parsed.max_restarts == 2
+    assert parsed.module is True
+    assert parsed.training_script == "pkg.train"
+    assert parsed.training_script_args == ["--lr", "1"]
+
+
+# ---- demo ----------------------------------------------------------------------------------------
+def _check_demo(out, summary_path: Path, world_size: int, backend: str) -> dict:
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["backend"] == backend
+    assert summary["world_size"] == world_size
+    assert summary["last_loss"] < summary["first_loss"], summary
+    assert summary["loss_went_down"] is True
+    if checkpoint_available():
+        assert summary["resume"] == "matches", summary
+        assert summary["resume_max_abs_diff"] == 0.0
+        assert "resume: matches uninterrupted run" in out.stdout
+        assert Path(summary["checkpoint"], "accelkit.json").is_file()
+    else:
+        assert summary["resume"] == "unavailable", summary
+        assert "checkpoint: unavailable" in out.stdout
+    assert "accelkit demo summary" in out.stdout
+    return summary
+
+
+def test_demo_trains_saves_and_resumes_on_cpu(tmp_path):
+    out = accelkit(
+        "demo", "--steps", "20", "--resume-steps", "10", "--out", str(tmp_path), "--no-progress"
+    )
+    summary = _check_demo(out, tmp_path / "summary.json", 1, "cpu")
+    assert summary["precision"] == "32-true"
+
+
+def test_demo_shows_a_progress_bar(tmp_path):
+    out = accelkit("demo", "--steps", "6", "--resume-steps", "0", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "training" in out.stderr and "6/6" in out.stderr, out.stderr
+
+
+def test_demo_ddp_relaunches_on_two_processes(tmp_path):
+    out = accelkit(
+        "demo",
+        "--backend",
+        "ddp",
+        "--nproc",
+        "2",
+        "--steps",
+        "12",
+        "--resume-steps",
+        "6",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
+    _check_demo(out, tmp_path / "summary.json", 2, "ddp")
+
+
+def test_demo_refuses_a_single_process_backend_on_two_processes(tmp_path):
+    out = accelkit(
+        "demo", "--backend", "cpu", "--nproc", "2", "--steps", "2", "--out", str(tmp_path)
+    )
+    assert out.returncode != 0
+    assert "choose a distributed backend" in out.stderr
+
+
+def test_demo_unknown_backend_fails_with_the_registered_names(tmp_path):
+    out = accelkit("demo", "--backend", "cpux", "--out", str(tmp_path))
+    assert out.returncode == 2
+    assert "Did you mean 'cpu'" in out.stderr
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda_in_bf16(tmp_path):
+    out = accelkit(
+        "demo",
+        "--backend",
+        "cuda",
+        "--precision",
+        "bf16-mixed",
+        "--steps",
+        "30",
+        "--resume-steps",
+        "10",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
+    _check_demo(out, tmp_path / "summary.json", 1, "cuda")
