@@ -1,0 +1,96 @@
+"""Development sessions: ``nox -s lint``, ``nox -s tests``, ``nox -s plugin-<name>`` (one per plugin
+under plugins/), ``nox -s docs``, and ``nox -s gpu`` on a GPU machine.
+
+The CPU sessions install the CPU build of torch 2.13 (``pip install torch==2.13.0``) before the
+project, so that nothing pulls another build. ``nox -s gpu`` uses the running interpreter and the
+torch it already has (the GPU image ships its own build and cannot download).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+TORCH = "torch==2.13.0"
+#: plugin distributions, one folder each with its own pyproject.toml and tests/
+PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").is_file())
+#: the README's test command, minus the interpreter
+TEST_COMMAND = ("-m", "pytest", "-q")
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _env() -> dict[str, str]:
+    # DeepSpeed JIT-builds an op on first use; keep it in the workspace, across sessions.
+    return {"TORCH_EXTENSIONS_DIR": str(ROOT / ".cache" / "torch_extensions")}
+
+
+def _install(session: nox.Session, *plugins: str) -> None:
+    session.install(TORCH)
+    editable = [arg for name in plugins for arg in ("-e", f"plugins/{name}")]
+    session.install("-e", ".[test]", *editable, "-c", _constraints(session))
+
+
+def _constraints(session: nox.Session) -> str:
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text(TORCH + "\n")
+    return str(path)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The README's test command: every CPU test of the core and of every plugin."""
+    _install(session, *PLUGINS)
+    session.run("python", *TEST_COMMAND, *session.posargs, env=_env())
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Run the examples in docs/ (tests/test_docs.py)."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-q", "tests/test_docs.py", *session.posargs, env=_env())
+
+
+def _plugin_session(name: str) -> None:
+    def plugin_tests(session: nox.Session) -> None:
+        _install(session, name)
+        session.run("python", "-m", "pytest", "-q", f"plugins/{name}", *session.posargs, env=_env())
+
+    plugin_tests.__doc__ = f"The tests of plugins/{name} with only that plugin installed."
+    nox.session(name=f"plugin-{name}")(plugin_tests)
+
+
+for _name in PLUGINS:
+    _plugin_session(_name)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """Tests marked ``gpu``, in the running interpreter with the torch it already has.
+
+    Start nox with that interpreter: ``python3 -m nox -s gpu``. Installs accelkit and the plugins editable without dependencies or network
+    (``--no-deps --no-build-isolation``): the GPU image has torch, pluggy, safetensors, tqdm,
+    PyYAML and pytest; a backend library it lacks must be carried there as a wheel.
+    """
+    python = sys.executable
+    session.run(python, "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'")
+    targets = [".", *(f"plugins/{name}" for name in PLUGINS)]
+    editable = [arg for target in targets for arg in ("-e", target)]
+    session.run(
+        python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *editable
+    )
+    env = {**_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    session.run(python, "-m", "pytest", "-q", "-m", "gpu", *session.posargs, env=env)
