@@ -1,0 +1,591 @@
+"""torch FSDP2 (``fully_shard``): every parameter is a DTensor sharded by rows across ranks.
+
+What this backend adds to ``fully_shard``:
+
+- a wrap policy (the blocks of the model's stacks, or classes the user names, then the root);
+- meta-device init: ``init_module()`` builds on ``meta``; ``setup`` materialises one wrap unit
+  at a time (``to_empty`` + ``reset_parameters``) and shards it before the next, so peak memory
+  is the sharded model plus one unit, and re-ties tied weights;
+- the user's optimizer keeps its identity: its parameters are swapped in place for the sharded
+  ones, matched by name;
+- precision strings mapped onto ``MixedPrecisionPolicy`` (see :data:`FSDP_DTYPES`), and
+  ``ShardedGradScaler`` for ``16-mixed``;
+- a clipping norm computed over the sharded gradients (one all-reduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from accelkit import distributed
+from accelkit.backend import Backend, Capabilities, SetupResult
+from accelkit.backends.single import device_available
+from accelkit.errors import ConfigError
+from accelkit.modules import apply_activation_checkpointing, compile_in_place, select_blocks
+from accelkit.precision import (
+    DtypeRow,
+    MixedPrecision,
+    _cast_floats,
+    check_device_supports,
+    low_dtype,
+)
+
+log = logging.getLogger("accelkit")
+
+#: What each precision string means on FSDP2 (published in docs/backends/fsdp.md).
+FSDP_DTYPES: dict[str, DtypeRow] = {
+    "32-true": DtypeRow("fp32 (sharded)", "fp32", "none (params are fp32)", "fp32"),
+    "bf16-mixed": DtypeRow(
+        "fp32 sharded; all-gathered as bf16 for compute",
+        "bf16 (MixedPrecisionPolicy param_dtype)",
+        "fp32 (the sharded params themselves)",
+        "fp32 (reduce_dtype)",
+    ),
+    "16-mixed": DtypeRow(
+        "fp32 sharded; all-gathered as fp16 for compute",
+        "fp16 (MixedPrecisionPolicy param_dtype) + dynamic loss scaling (ShardedGradScaler)",
+        "fp32 (the sharded params themselves)",
+        "fp32 (reduce_dtype)",
+    ),
+    "bf16-true": DtypeRow("bf16 (sharded)", "bf16", "none", "bf16"),
+    "16-true": DtypeRow("fp16 (sharded)", "fp16", "none", "fp16"),
+}
+
+
+# ---- options --------------------------------------------------------------------------------
+def _check_wrap_policy(policy: Any) -> None:
+    if policy is None or isinstance(policy, (bool, type, str)):
+        return
+    if callable(policy):
+        return
+    if isinstance(policy, Iterable):
+        bad = [p for p in policy if not isinstance(p, (type, str))]
+        if not bad:
+            return
+    raise ValueError(
+        "option 'wrap_policy' must be True (the blocks of every ModuleList/Sequential stack), "
+        "False/None (the root only), a module class or class name, a list of those, or a "
+        f"predicate module -> bool; got {policy!r}"
+    )
+
+
+@dataclass
+class FSDPOptions:
+    #: "auto" takes CUDA when present, else the CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
+    timeout: float = distributed.DEFAULT_TIMEOUT_S
+    #: which submodules become their own FSDP unit before the root: True = the children of the
+    #: outermost ModuleList/Sequential stacks; classes, class names or a predicate; False = root only
+    wrap_policy: Any = True
+    #: free the gathered parameters after forward (None: FSDP2's default, True except the root;
+    #: an int reshards to that smaller group size)
+    reshard_after_forward: bool | int | None = None
+    #: keep sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy)
+    cpu_offload: bool = False
+    #: skip the gradient reduce-scatter inside an accumulation window; saves communication but
+    #: keeps unsharded gradients (the full model's size in fp32) in memory until the window closes
+    skip_sync_in_accumulation: bool = False
+
+    def __post_init__(self) -> None:
+        if self.timeout <= 0:
+            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
+        _check_wrap_policy(self.wrap_policy)
+        if (
+            isinstance(self.reshard_after_forward, int)
+            and not isinstance(self.reshard_after_forward, bool)
+            and self.reshard_after_forward < 1
+        ):
+            raise ValueError(
+                "option 'reshard_after_forward' as an int is a group size >= 1, "
+                f"got {self.reshard_after_forward}"
+            )
+
+
+# ---- precision ------------------------------------------------------------------------------
+class FSDPPrecision(MixedPrecision):
+    """Precision on FSDP2. ``-mixed``: fp32 sharded params (they are the master), gathered in
+    low precision for compute, gradients reduced in fp32. ``-true``: the model is cast to the
+    low dtype before sharding. No autocast: FSDP2 casts parameters and inputs itself."""
+
+    def __init__(self, precision: str, device_type: str) -> None:
+        self.name = precision
+        self.device_type = device_type
+        self._unscaled: set[int] = set()
+        self.dtype = None if precision == "32-true" else low_dtype(precision)
+        self.mixed = precision.endswith("-mixed")
+        self.input_dtype = self.dtype if not self.mixed else None
+        self.scaler = None
+        if precision == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device_type)
+
+    def mp_policy(self) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.mixed:
+            return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(self.dtype) if self.dtype is not None and not self.mixed else module
+
+    def convert_output(self, data: Any) -> Any:
+        return data if self.dtype is None else _cast_floats(data, torch.float32)
+
+    @contextlib.contextmanager
+    def init_context(self) -> Iterator[None]:
+        """``-true``: build the model directly in the low dtype."""
+        if self.dtype is None or self.mixed:
+            yield
+            return
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+# ---- model surgery --------------------------------------------------------------------------
+def _own_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (name, t)
+        for name, t in (*module._parameters.items(), *module._buffers.items())
+        if t is not None
+    ]
+
+
+def _module_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(m): (name or "<root>") for name, m in model.named_modules()}
+
+
+def _tie_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """Parameters reachable under more than one (module, name), in module order."""
+    groups: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                groups.setdefault(id(param), []).append((module, name))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def _select_wrap_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
+    """The submodules that become FSDP units, outermost first among nested ones."""
+    if policy is None or policy is False:
+        return []
+    if isinstance(policy, str) or (
+        isinstance(policy, Iterable)
+        and not isinstance(policy, type)
+        and any(isinstance(p, str) for p in policy)
+    ):
+        wanted = [policy] if isinstance(policy, str) else list(policy)
+        names = {p for p in wanted if isinstance(p, str)}
+        classes = tuple(p for p in wanted if isinstance(p, type))
+
+        def matches(m: torch.nn.Module) -> bool:
+            cls = type(m)
+            return (
+                cls.__name__ in names
+                or f"{cls.__module__}.{cls.__qualname__}" in names
+                or (bool(classes) and isinstance(m, classes))
+            )
+
+        blocks = select_blocks(model, matches)
+        found = {type(b).__name__ for b in blocks} | {
+            f"{type(b).__module__}.{type(b).__qualname__}" for b in blocks
+        }
+        missing = sorted(n for n in names if n not in found)
+        if missing:
+            raise ConfigError(
+                f"fsdp: wrap_policy names {missing} but the model has no such modules"
+            )
+    else:
+        blocks = select_blocks(model, policy)
+    if policy is True:  # default: only the outermost stacks' blocks
+        inside: set[int] = set()
+        for block in blocks:
+            inside.update(id(m) for m in block.modules() if m is not block)
+        blocks = [b for b in blocks if id(b) not in inside]
+    # a block that shares a parameter with the rest of the model must stay in an outer unit
+    ties = _tie_groups(model)
+    names = _module_names(model)
+    kept = []
+    for block in blocks:
+        members = {id(m) for m in block.modules()}
+        crossing = [g for g in ties if len({id(m) in members for m, _ in g}) > 1]
+        if crossing:
+            log.info(
+                "fsdp: %s shares parameters with modules outside it (tied weights); it stays "
+                "in its parent's FSDP unit",
+                names.get(id(block), type(block).__name__),
+            )
+            continue
+        kept.append(block)
+    return kept
+
+
+class _Materializer:
+    """Brings a meta-built model onto the device one module at a time, in module order, so
+    each unit can be sharded before the next is allocated. Every module that owns meta tensors
+    is emptied onto the device and reset with its own ``reset_parameters()``; tied weights take
+    the value of their first owner in module order."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        self.names = _module_names(model)
+        self.ties = _tie_groups(model)
+        self.tied_later = {(id(m), n) for g in self.ties for m, n in g[1:]}
+        self.visited: set[int] = set()
+        self.pending = list(range(len(self.ties)))
+        self.untouched: list[tuple[str, torch.Tensor]] = []
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Fail before touching anything if a module could not be initialised."""
+        mixed, missing = [], []
+        for module in model.modules():
+            own = _own_tensors(module)
+            meta = [n for n, t in own if t.is_meta]
+            if not meta:
+                continue
+            where = f"{self.names[id(module)]} ({type(module).__name__})"
+            if len(meta) != len(own):
+                mixed.append(where)
+            elif not callable(getattr(module, "reset_parameters", None)) and not self._alias_only(
+                module
+            ):
+                missing.append(where)
+        if mixed:
+            raise ConfigError(
+                "fsdp: these modules hold both meta and real tensors, so they cannot be "
+                f"materialised: {', '.join(mixed)}. Build the whole model inside "
+                "accel.init_module(), or none of it."
+            )
+        if missing:
+            raise ConfigError(
+                "fsdp: the model was built on the meta device (accel.init_module()), and these "
+                "modules own parameters or buffers but have no reset_parameters() to initialise "
+                f"them after sharding: {', '.join(missing)}. Give those classes a "
+                "reset_parameters() method, or build the model with "
+                "accel.init_module(empty_init=False) (full weights on every rank until setup)."
+            )
+
+    def _alias_only(self, module: torch.nn.Module) -> bool:
+        own = _own_tensors(module)
+        return all((id(module), n) in self.tied_later and n in module._parameters for n, t in own)
+
+    def materialize(self, module: torch.nn.Module) -> None:
+        self.visited.add(id(module))
+        own = _own_tensors(module)
+        if not own or not any(t.is_meta for _, t in own):
+            return
+        if self._alias_only(module) and not callable(getattr(module, "reset_parameters", None)):
+            return  # re-tied to the first owner below
+        module.to_empty(device=self.device, recurse=False)
+        with torch.no_grad():
+            for _, t in _own_tensors(module):
+                if t.is_floating_point() or t.is_complex():
+                    t.fill_(math.nan)
+            module.reset_parameters()
+        for name, t in _own_tensors(module):
+            if t.is_floating_point() or t.is_complex():
+                self.untouched.append((f"{self.names[id(module)]}.{name}", t.isnan().any()))
+
+    def retie(self) -> None:
+        """Point every alias at its first owner once all of a group's modules are visited."""
+        still = []
+        for index in self.pending:
+            group = self.ties[index]
+            if not all(id(m) in self.visited for m, _ in group):
+                still.append(index)
+                continue
+            owner, owner_name = group[0]
+            param = owner._parameters[owner_name]
+            for module, name in group[1:]:
+                if module._parameters[name] is not param:
+                    module._parameters[name] = param
+        self.pending = still
+
+    def verify(self) -> None:
+        """``reset_parameters`` must have written every tensor it was handed (NaN-filled)."""
+        if not self.untouched:
+            return
+        flags = torch.stack([flag for _, flag in self.untouched]).cpu()
+        bad = [name for (name, _), flag in zip(self.untouched, flags.tolist()) if flag]
+        self.untouched = []
+        if bad:
+            raise ConfigError(
+                "fsdp: after materialising the meta-built model, reset_parameters() left these "
+                f"tensors uninitialised (or NaN): {', '.join(bad)}. Make reset_parameters() "
+                "initialise every parameter and buffer its module owns, or build the model "
+                "with accel.init_module(empty_init=False)."
+            )
+
+
+# ---- the backend ----------------------------------------------------------------------------
+class FSDPBackend(Backend):
+    """torch FSDP2: parameters, gradients and optimizer state sharded across ranks."""
+
+    capabilities = Capabilities(
+        controls_precision=True,
+        controls_device=True,
+        no_sync=True,
+        no_sync_by_default=False,
+        manual_clip=True,
+        sharded=True,
+        distributed=True,
+        offload=True,
+        init_context="meta",
+    )
+    options_class = FSDPOptions
+    dtype_table = FSDP_DTYPES
+
+    def __init__(self, name: str, options: Any, settings: Any) -> None:
+        super().__init__(name, options, settings)
+        #: id(param) -> (weakref, version) of parameters built on meta in init_module()
+        self._meta_versions: dict[int, tuple[weakref.ref, int]] = {}
+
+    def launch(self) -> None:
+        want = self.options.device
+        if want == "cuda" and not device_available("cuda"):
+            raise ConfigError(
+                "fsdp: device='cuda' but no CUDA device is available; use device='cpu'"
+            )
+        use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
+        if use_cuda:
+            index = distributed.local_rank()
+            torch.cuda.set_device(index)
+            self._device = torch.device("cuda", index)
+        else:
+            self._device = torch.device("cpu")
+        check_device_supports(self.settings.precision, self._device)
+        distributed.init_process_group(self._device, self.options.timeout)
+        self.precision = FSDPPrecision(self.settings.precision, self._device.type)
+
+    # ---- building the model -------------------------------------------------------------------
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Build on the meta device (default), or on this rank's device with ``empty_init=False``.
+
+        Meta-built modules are initialised by their ``reset_parameters()`` inside ``setup``.
+        """
+        return self._build_context(meta=empty_init is not False)
+
+    @contextlib.contextmanager
+    def _build_context(self, meta: bool) -> Iterator[None]:
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+
+        created: list[torch.nn.Parameter] = []
+
+        def remember(module: torch.nn.Module, name: str, param: Any) -> None:
+            if param is not None:
+                created.append(param)
+
+        handle = register_module_parameter_registration_hook(remember)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.device("meta") if meta else self.device)
+                stack.enter_context(self.precision.init_context())
+                yield
+        finally:
+            handle.remove()
+        for param in created:
+            if param.is_meta:
+                self._meta_versions[id(param)] = (weakref.ref(param), param._version)
+
+    def _refuse_meta_writes(self, model: torch.nn.Module) -> None:
+        written = []
+        for name, param in model.named_parameters():
+            record = self._meta_versions.get(id(param))
+            if record is not None and record[0]() is param and param._version != record[1]:
+                written.append(name)
+        if written:
+            shown = ", ".join(written[:8]) + (" ..." if len(written) > 8 else "")
+            raise ConfigError(
+                "fsdp: these parameters were written after accel.init_module() built them on "
+                f"the meta device: {shown}. Meta tensors hold no data, so a custom weight "
+                "initialisation or load_state_dict() between init_module() and setup() is lost. "
+                "Put the initialisation in the modules' reset_parameters() (setup calls it for "
+                "every module after sharding), build with accel.init_module(empty_init=False) "
+                "to keep your own initialisation, or load weights after setup with accel.load()."
+            )
+
+    # ---- setup --------------------------------------------------------------------------------
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        compile: bool | dict[str, Any] = False,
+        activation_checkpointing: Any = None,
+    ) -> SetupResult:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+        if isinstance(model, FSDPModule):
+            raise ConfigError("fsdp: this model is already sharded; pass the original module")
+        slots = self._optimizer_slots(model, optimizers)
+        self._refuse_meta_writes(model)
+        has_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+        materializer = _Materializer(model, self.device)
+        if has_meta:
+            materializer.check(model)
+
+        model = self.precision.convert_module(model)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model, activation_checkpointing)
+        blocks = _select_wrap_blocks(model, self.options.wrap_policy)
+
+        o = self.options
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            if o.cpu_offload
+            else OffloadPolicy()
+        )
+        shard_kwargs: dict[str, Any] = dict(
+            mesh=init_device_mesh(self.device.type, (self.world_size,)),
+            reshard_after_forward=o.reshard_after_forward,
+            mp_policy=self.precision.mp_policy(),
+            offload_policy=offload,
+        )
+        unit_ids = {id(b) for b in blocks}
+        seen: set[int] = set()
+        # The optimizer must not keep the unsharded tensors alive while we shard.
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = []
+
+        def visit(module: torch.nn.Module) -> None:
+            if id(module) in seen:
+                return
+            seen.add(id(module))
+            if has_meta:
+                materializer.materialize(module)
+            for child in module.children():
+                visit(child)
+            materializer.retie()
+            if id(module) in unit_ids:
+                fully_shard(module, **shard_kwargs)
+
+        visit(model)
+        fully_shard(model, **shard_kwargs)
+        materializer.verify()
+        self._meta_versions.clear()
+
+        sharded = dict(model.named_parameters())
+        for optimizer, groups in zip(optimizers, slots):
+            for group, names in zip(optimizer.param_groups, groups):
+                group["params"] = [sharded[n] for n in names]
+
+        if compile:
+            options = compile if isinstance(compile, dict) else None
+            for unit in blocks or [model]:
+                compile_in_place(unit, options)
+        log.debug(
+            "fsdp: sharded %d blocks + root over %d ranks (%s)",
+            len(blocks),
+            self.world_size,
+            self.settings.precision,
+        )
+        return SetupResult(model, optimizers)
+
+    @staticmethod
+    def _optimizer_slots(
+        model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> list[list[list[str]]]:
+        """The parameter names of every optimizer's groups; refuses what cannot be swapped."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        slots = []
+        for optimizer in optimizers:
+            if len(optimizer.state):
+                raise ConfigError(
+                    "fsdp: the optimizer already has state (it has stepped, or state was "
+                    "loaded). Sharding replaces the parameters, and that state would not follow. "
+                    "Pass a fresh optimizer to setup(), and load optimizer state after setup "
+                    "with accel.load()."
+                )
+            groups = []
+            for group in optimizer.param_groups:
+                unknown = [p for p in group["params"] if id(p) not in names]
+                if unknown:
+                    raise ConfigError(
+                        f"fsdp: the optimizer holds {len(unknown)} parameter(s) that are not in "
+                        "the model passed to setup(); build the optimizer from "
+                        "model.parameters() of that model"
+                    )
+                groups.append([names[id(p)] for p in group["params"]])
+            slots.append(groups)
+        return slots
+
+    # ---- the training step --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _without_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Skip the reduce-scatter (gradients stay unsharded and accumulate locally)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return self._without_sync(model)
+        return contextlib.nullcontext()
+
+    def grad_norm(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+    ) -> torch.Tensor:
+        """Total norm over the sharded gradients (a plain 0-d tensor, equal on every rank)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [
+            p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if not params:
+            return torch.zeros((), device=self.device)
+        sharded = [p.grad for p in params if isinstance(p.grad, DTensor)]
+        local = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+        parts = []
+        if sharded:
+            norm = torch.nn.utils.get_total_norm(sharded)
+            parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if local:
+            parts.append(
+                torch.nn.utils.get_total_norm(local).to(parts[0].device if parts else None)
+            )
+        total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 shards in place: the module is the user's own (its class gains FSDPModule)."""
+        return model
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer unsharded, on every rank: an all-gather per tensor (the
+        whole model in memory on each rank, on its device). With one process the tensors may
+        alias the live parameters; clone them to keep them while training continues."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach() for k, v in state.items()}
