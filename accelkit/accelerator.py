@@ -18,7 +18,12 @@ from accelkit.backend import Backend, Capabilities, StepResult
 from accelkit.data import AcceleratedDataLoader, rebuild_dataloader
 from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.seed import seed_everything
-from accelkit.wrappers import AcceleratedOptimizer, guard_scheduler_step, patch_forward
+from accelkit.wrappers import (
+    AcceleratedOptimizer,
+    guard_scheduler_step,
+    mark_step_tracked,
+    patch_forward,
+)
 
 log = logging.getLogger("accelkit")
 
@@ -161,6 +166,7 @@ class Accelerator:
             optimizer = matches[0]
         if getattr(scheduler, "optimizer", optimizer) is not optimizer:
             scheduler.optimizer = optimizer  # rebind: the backend may have replaced the optimizer
+            mark_step_tracked(optimizer)
         self._adopt_scheduler(scheduler, optimizer)
         return scheduler
 

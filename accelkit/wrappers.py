@@ -141,6 +141,25 @@ def _constructing_scheduler() -> LRScheduler | None:
         del frame
 
 
+def mark_step_tracked(optimizer: AcceleratedOptimizer) -> None:
+    """Let a scheduler re-bound to ``optimizer`` see the step tracking torch installs itself.
+
+    torch warns "optimizer.step() has been overridden" at the first scheduler step unless the
+    optimizer's ``step`` carries its ``_wrapped_by_lr_sched`` mark; a scheduler built on the
+    original optimizer and handed to ``setup`` would otherwise warn for nothing.
+    """
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    object.__setattr__(optimizer, "step", tracked)
+
+
 def guard_scheduler_step(scheduler: LRScheduler) -> Any:
     """Make a user's own ``scheduler.step()`` a warned no-op; return the real step for accelkit."""
     real_step = scheduler.step
