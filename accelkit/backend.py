@@ -79,6 +79,10 @@ class Settings:
             raise ConfigError(
                 f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}"
             )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
 
 
 @dataclass
