@@ -219,6 +219,13 @@ class Accelerator:
             loss = loss / steps
         if model is None and len(self._models) == 1:
             model = self._models[0]
+        # for backends that must know before backward whether it closes the window (an engine
+        # that reduces gradients at its own accumulation boundary)
+        hook = getattr(self.backend, "before_backward", None)
+        if hook is not None:
+            windows = list(self._windows.values())
+            closes = not windows or any(self._closes_next(w) for w in windows)
+            hook(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
 
     def _closes_next(self, window: _Window) -> bool:
