@@ -1,0 +1,161 @@
+"""What AccelkitRunner and AccelkitStrategy share: building the Accelerator from MMEngine's config,
+joining the process group, setting the model and optimizer up in one call, and checkpoint I/O."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any
+
+import torch
+
+import accelkit
+from accelkit import distributed
+from accelkit.errors import CheckpointError, ConfigError
+from accelkit.integrations.mmengine import checkpoint as ckpt
+from accelkit.integrations.mmengine._settings import (
+    AdapterOptions,
+    TrainingSettings,
+    accelerator_kwargs,
+)
+from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
+from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
+
+log = logging.getLogger("accelkit")
+
+
+def join_process_group(dist_backend: str | None = None, timeout: float | None = None) -> None:
+    """Join the default process group the way MMEngine's launcher would, but on CPU too.
+
+    MMEngine's ``init_dist`` calls ``torch.cuda.set_device`` unconditionally
+    (mmengine/dist/utils.py:130), which fails on a CPU-only torch; here gloo is used when there
+    is no CUDA device or ``dist_cfg=dict(backend='gloo')`` asks for it.
+    """
+    if distributed.is_initialized():
+        return
+    use_cuda = torch.cuda.is_available() and dist_backend != "gloo"
+    if use_cuda:
+        index = distributed.local_rank()
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    else:
+        if dist_backend not in (None, "gloo"):
+            log.info("no CUDA device: using gloo instead of %s", dist_backend)
+        device = torch.device("cpu")
+    distributed.init_process_group(device, timeout)
+
+
+class Bridge:
+    """One Accelerator and the model/optimizer it set up, seen from MMEngine."""
+
+    def __init__(self, adapter: AdapterOptions) -> None:
+        self.adapter = adapter
+        self.accelerator: accelkit.Accelerator | None = None
+
+    # ---- building -----------------------------------------------------------------------------
+    def build_accelerator(self, settings: TrainingSettings) -> accelkit.Accelerator:
+        if self.accelerator is None:
+            kwargs = accelerator_kwargs(self.adapter, settings)
+            self.accelerator = accelkit.get(self.adapter.backend, **kwargs)
+            log.info("MMEngine on accelkit: %r", self.accelerator)
+        return self.accelerator
+
+    @property
+    def accel(self) -> accelkit.Accelerator:
+        if self.accelerator is None:
+            raise RuntimeError("the Accelerator is built when training or evaluation starts")
+        return self.accelerator
+
+    def model_context(self) -> contextlib.AbstractContextManager:
+        """Where to build the model: in ``init_module()`` only where the backend needs it, so
+        that on torch-native backends the weights are those MMEngine's own Runner would build."""
+        use = self.adapter.init_module
+        if use is None:
+            use = self.accel.capabilities.init_context != "device"
+        return self.accel.init_module() if use else contextlib.nullcontext()
+
+    def setup(
+        self, model: torch.nn.Module, optim_wrapper: AccelkitOptimWrapper | None
+    ) -> AccelkitModelWrapper:
+        """``accel.setup(model, optimizer)`` in one call, then bind the optimizer wrapper."""
+        accel = self.accel
+        if isinstance(model, AccelkitModelWrapper):
+            raise ConfigError("this model is already set up by accelkit")
+        kwargs = dict(self.adapter.setup_kwargs)
+        if optim_wrapper is None:
+            wrapped = accel.setup(model, **kwargs)
+        else:
+            if not isinstance(optim_wrapper, AccelkitOptimWrapper):
+                raise ConfigError(
+                    f"expected an AccelkitOptimWrapper, got {type(optim_wrapper).__name__}"
+                )
+            wrapped, optimizer = accel.setup(model, optim_wrapper.optimizer, **kwargs)
+            optim_wrapper.attach(accel, wrapped, optimizer)
+        return AccelkitModelWrapper(accelerator=accel, model=wrapped)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(
+        self,
+        path: str,
+        model: AccelkitModelWrapper,
+        optim_wrapper: AccelkitOptimWrapper | None,
+        mmengine_state: dict[str, Any],
+    ) -> None:
+        if "://" in str(path):
+            raise CheckpointError(f"accelkit writes checkpoints to local paths, got {path!r}")
+        ckpt.save(
+            self.accel,
+            path,
+            model=model.wrapped,
+            optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
+            mmengine_state=ckpt.encode_lenient(mmengine_state, "checkpoint"),
+            step=mmengine_state.get("meta", {}).get("iter"),
+        )
+
+    def load(
+        self,
+        path: str,
+        model: AccelkitModelWrapper,
+        optim_wrapper: AccelkitOptimWrapper | None,
+        *,
+        strict: bool,
+        revise_keys: list[tuple[str, str]],
+        before_model: Any = None,
+    ) -> dict[str, Any]:
+        """Load a portable checkpoint, or a pickled ``.pth`` where ``trust_pickle`` allows.
+
+        Returns MMEngine's view of the checkpoint (``meta``, ``message_hub``,
+        ``param_schedulers``, ...). Weights and, with ``optim_wrapper``, optimizer state are
+        loaded in place; ``before_model`` (MMEngine's ``after_load_checkpoint`` hooks) sees the
+        checkpoint first, as in MMEngine.
+        """
+        path = os.fspath(path)
+        if ckpt.is_portable(path):
+            state = ckpt.load(
+                self.accel,
+                path,
+                model=model.wrapped,
+                optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
+                strict=strict,
+            )
+            if before_model is not None:
+                before_model(state)
+            return state
+        if os.path.isdir(path):
+            raise CheckpointError(
+                f"{path!r} is a directory without {ckpt.MANIFEST}: not an accelkit checkpoint "
+                "(an unfinished save, or another tool's format)"
+            )
+        state = ckpt.read_pickled(path, trust_pickle=self.adapter.trust_pickle)
+        if before_model is not None:
+            before_model(state)
+        weights = state.pop("state_dict", None) if "state_dict" in state else state
+        ckpt.load_state_dict_into(
+            self.accel, model.wrapped, weights, strict=strict, revise_keys=revise_keys
+        )
+        if weights is state:
+            state = {}
+        if optim_wrapper is not None and "optimizer" in state:
+            optim_wrapper.load_state_dict(state.pop("optimizer"))
+        return state

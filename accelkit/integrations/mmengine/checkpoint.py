@@ -1,0 +1,259 @@
+"""MMEngine checkpoints through accelkit's portable format, without pickle.
+
+An MMEngine checkpoint is a pickled dict: ``state_dict``, ``optimizer``, ``param_schedulers``,
+``message_hub`` (HistoryBuffers of numpy arrays) and ``meta``. Here weights and optimizer state go
+through ``accel.save``/``accel.load`` (each rank writes and reads its own fragments), and the rest
+is encoded as tagged JSON (tuples, Counters, numpy arrays and HistoryBuffers survive the round
+trip), stored as one extra of the checkpoint. Loading unpickles nothing.
+
+A foreign, pickled ``.pth`` (MMEngine's own, or a plain ``torch.save`` of a state dict) loads only
+with ``trust_pickle=True``, and then only with the globals an MMEngine checkpoint needs, allowed for
+that one ``torch.load`` (``torch.serialization.safe_globals``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from accelkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from accelkit.accelerator import Accelerator
+
+log = logging.getLogger("accelkit")
+
+#: name of the checkpoint extra that holds MMEngine's own state (tagged JSON)
+EXTRA_KEY = "mmengine"
+#: file that marks a directory as an accelkit portable checkpoint
+MANIFEST = "accelkit.json"
+
+
+# ---- tagged JSON --------------------------------------------------------------------------------
+class Unencodable(TypeError):
+    """A value that tagged JSON cannot hold (a function, an open file, ...)."""
+
+
+def _array(value: Any) -> dict[str, Any]:
+    return {"dtype": str(value.dtype), "shape": list(value.shape), "data": value.ravel().tolist()}
+
+
+def encode(obj: Any, path: str = "") -> Any:
+    """Turn MMEngine state into JSON-able data that :func:`decode` turns back, type for type."""
+    import numpy as np
+    from mmengine.logging import HistoryBuffer
+
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return {"$ndarray": _array(obj)}
+    if isinstance(obj, np.generic):
+        return {"$npscalar": {"dtype": str(obj.dtype), "value": obj.item()}}
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        return {"$tensor": {"dtype": str(t.dtype).removeprefix("torch."), **_array(t)}}
+    if isinstance(obj, torch.dtype):
+        return {"$torch_dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, HistoryBuffer):
+        return {
+            "$history_buffer": {
+                "log": encode(obj._log_history, f"{path}.log"),
+                "count": encode(obj._count_history, f"{path}.count"),
+                "max_length": obj.max_length,
+            }
+        }
+    if isinstance(obj, list):
+        return [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"$tuple": [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, (set, frozenset)):
+        return {"$set": [encode(v, f"{path}{{}}") for v in obj]}
+    if isinstance(obj, dict):
+        items = [(k, encode(v, f"{path}.{k}")) for k, v in obj.items()]
+        plain = type(obj) is dict and all(isinstance(k, str) and not k.startswith("$") for k in obj)
+        if plain:
+            return dict(items)
+        tag = (
+            "$counter"
+            if isinstance(obj, collections.Counter)
+            else "$odict"
+            if isinstance(obj, collections.OrderedDict)
+            else "$dict"
+        )
+        return {tag: [[encode(k, f"{path}<key>"), v] for k, v in items]}
+    raise Unencodable(f"{path or 'value'}: cannot store a {type(obj).__name__} without pickle")
+
+
+def encode_lenient(obj: dict[str, Any], what: str) -> dict[str, Any]:
+    """Encode each entry of a dict, dropping (with a warning) the ones that cannot be stored."""
+    out = {}
+    for key, value in obj.items():
+        try:
+            out[key] = encode(value, f"{what}.{key}")
+        except Unencodable as err:
+            log.warning("not saved in the checkpoint: %s", err)
+    return out
+
+
+def decode(data: Any) -> Any:
+    """Inverse of :func:`encode`."""
+    import numpy as np
+    from mmengine.logging import HistoryBuffer
+
+    if isinstance(data, list):
+        return [decode(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) == 1:
+        (tag, body), *_ = data.items()
+        if tag == "$ndarray":
+            return np.array(body["data"], dtype=body["dtype"]).reshape(body["shape"])
+        if tag == "$npscalar":
+            return np.array(body["value"], dtype=body["dtype"])[()]
+        if tag == "$tensor":
+            dtype = getattr(torch, body["dtype"])
+            return torch.tensor(body["data"], dtype=dtype).reshape(body["shape"])
+        if tag == "$torch_dtype":
+            return getattr(torch, body)
+        if tag == "$history_buffer":
+            log_history, count_history = decode(body["log"]), decode(body["count"])
+            buf = HistoryBuffer(max_length=body["max_length"])
+            buf._log_history, buf._count_history = log_history, count_history
+            return buf
+        if tag == "$tuple":
+            return tuple(decode(v) for v in body)
+        if tag == "$set":
+            return {decode(v) for v in body}
+        if tag in ("$counter", "$odict", "$dict"):
+            pairs = [(decode(k), decode(v)) for k, v in body]
+            cls = {"$counter": collections.Counter, "$odict": collections.OrderedDict}.get(
+                tag, dict
+            )
+            return cls(pairs)
+    return {k: decode(v) for k, v in data.items()}
+
+
+# ---- the portable checkpoint ---------------------------------------------------------------------
+def is_portable(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def save(
+    accel: Accelerator,
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    mmengine_state: dict[str, Any],
+    step: int | None = None,
+) -> None:
+    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's state, on every rank.
+
+    ``mmengine_state`` must already be :func:`encode`-d (plain JSON data)."""
+    state: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        state["optimizer"] = optimizer
+    state[EXTRA_KEY] = mmengine_state
+    accel.save(path, state, step=step)
+
+
+def load(
+    accel: Accelerator,
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    strict: bool,
+) -> dict[str, Any]:
+    """Fill ``model`` (and ``optimizer``) from a portable checkpoint; return MMEngine's state."""
+    state: dict[str, Any] = {"model": model}
+    if optimizer is not None:
+        state["optimizer"] = optimizer
+    rest = accel.load(path, state, strict=strict)
+    raw = (rest or {}).get(EXTRA_KEY)
+    if raw is None:
+        return {}
+    return decode(raw)
+
+
+# ---- foreign, pickled checkpoints ----------------------------------------------------------------
+def _mmengine_globals() -> list[Any]:
+    """What ``torch.load(weights_only=True)`` must allow for a checkpoint MMEngine wrote."""
+    import numpy as np
+    from mmengine.logging import HistoryBuffer
+
+    allowed: list[Any] = [HistoryBuffer, np.ndarray, np.dtype, getattr]
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed += [multiarray.multiarray._reconstruct, multiarray.multiarray.scalar]
+    allowed += [type(np.dtype(name)) for name in ("float64", "float32", "int64", "int32", "bool")]
+    return allowed
+
+
+def read_pickled(path: str | os.PathLike, *, trust_pickle: bool) -> dict[str, Any]:
+    """Load a ``.pth`` written by ``torch.save`` (MMEngine's checkpoints are these).
+
+    A file of tensors only loads as is. Anything else is a pickle that can run code, and loads only
+    with ``trust_pickle=True``, allowing MMEngine's own globals for this one load.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if not trust_pickle:
+            raise CheckpointError(
+                f"{str(path)!r} is a pickled checkpoint that holds more than tensors "
+                f"({_first_line(err)}). Unpickling it can run code from the file. If you trust "
+                "it, set trust_pickle=True (AccelkitRunner: accelkit=dict(trust_pickle=True); "
+                "AccelkitStrategy: strategy=dict(..., trust_pickle=True))."
+            ) from None
+    try:
+        with torch.serialization.safe_globals(_mmengine_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{str(path)!r} needs globals beyond what an MMEngine checkpoint uses "
+            f"({_first_line(err)}); convert it with `accelkit convert --trust-pickle`"
+        ) from None
+
+
+def _first_line(err: Exception) -> str:
+    for line in str(err).splitlines():
+        if "Unsupported global" in line:
+            return line.strip()
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def revise_state_dict(
+    state_dict: dict[str, Any], revise_keys: list[tuple[str, str]]
+) -> dict[str, Any]:
+    for pattern, replacement in revise_keys:
+        state_dict = {re.sub(pattern, replacement, k): v for k, v in state_dict.items()}
+    return state_dict
+
+
+def load_state_dict_into(
+    accel: Accelerator,
+    model: torch.nn.Module,
+    state_dict: dict[str, Any],
+    *,
+    strict: bool,
+    revise_keys: list[tuple[str, str]],
+) -> None:
+    """Load a full (unsharded) state dict into the model set up by ``accel``."""
+    from mmengine.runner.checkpoint import load_state_dict
+
+    if accel.capabilities.sharded:
+        raise CheckpointError(
+            f"backend {accel.name!r} shards the model, so a plain state dict cannot be loaded "
+            "into it directly; convert it first: `accelkit convert model.pth ckpt/` and "
+            "load_from the portable checkpoint"
+        )
+    state_dict = revise_state_dict(dict(state_dict), revise_keys)
+    load_state_dict(accel.unwrap(model), state_dict, strict=strict)

@@ -1,0 +1,91 @@
+"""``AccelkitModelWrapper``: what ``runner.model`` is once accelkit has set the model up.
+
+MMEngine's loops call ``runner.model.train_step / val_step / test_step`` and ``train()/eval()``,
+and hooks reach the user's model as ``runner.model.module`` when ``is_model_wrapper`` is true.
+The wrapper gives them exactly that, whatever the backend put around the model (nothing, DDP,
+a DeepSpeed engine, ...).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from mmengine.registry import MODEL_WRAPPERS
+
+if TYPE_CHECKING:
+    from accelkit.accelerator import Accelerator
+
+
+def _run_forward(model: Any, data: Any, mode: str) -> Any:
+    """Call ``model`` on what MMEngine's data preprocessor returned (as BaseModel does)."""
+    if isinstance(data, dict):
+        return model(**data, mode=mode)
+    if isinstance(data, (list, tuple)):
+        return model(*data, mode=mode)
+    raise TypeError(f"the data preprocessor must return a dict, list or tuple, got {type(data)}")
+
+
+@MODEL_WRAPPERS.register_module()
+class AccelkitModelWrapper:
+    """The model from ``accel.setup`` seen through MMEngine's model-wrapper interface.
+
+    ``module`` is the user's own ``BaseModel``; ``wrapped`` is what the backend returned and what
+    the forward runs through (so DDP syncs, ZeRO-3 gathers, precision applies). Where the backend
+    did not wrap the model, the user's own ``train_step``/``val_step``/``test_step`` run, so a
+    model that overrides them keeps working.
+    """
+
+    def __init__(self, *, accelerator: Accelerator, model: torch.nn.Module) -> None:
+        self.accelerator = accelerator
+        self.wrapped = model
+        self.module = accelerator.unwrap(model)
+
+    @property
+    def _unwrapped(self) -> bool:
+        return self.wrapped is self.module
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names not set in __init__: delegate to the user's model
+        if name in ("wrapped", "module", "accelerator"):
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapped(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> AccelkitModelWrapper:
+        self.wrapped.train(mode)
+        return self
+
+    def eval(self) -> AccelkitModelWrapper:
+        return self.train(False)
+
+    def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        if self._unwrapped:
+            return self.module.train_step(data, optim_wrapper=optim_wrapper)
+        with optim_wrapper.optim_context(self.wrapped):
+            data = self.module.data_preprocessor(data, True)
+            losses = _run_forward(self.wrapped, data, mode="loss")
+        parsed_loss, log_vars = self.module.parse_losses(losses)
+        optim_wrapper.update_params(parsed_loss)
+        return log_vars
+
+    def val_step(self, data: Any) -> list:
+        if self._unwrapped:
+            return self.module.val_step(data)
+        data = self.module.data_preprocessor(data, False)
+        return _run_forward(self.wrapped, data, mode="predict")
+
+    def test_step(self, data: Any) -> list:
+        if self._unwrapped:
+            return self.module.test_step(data)
+        data = self.module.data_preprocessor(data, False)
+        return _run_forward(self.wrapped, data, mode="predict")
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The user's model state (a full gather on sharded backends)."""
+        return self.accelerator.full_state_dict(self.wrapped)
+
+    def __repr__(self) -> str:
+        return f"AccelkitModelWrapper({self.accelerator.name}: {type(self.wrapped).__name__})"

@@ -1,0 +1,213 @@
+"""``AccelkitRunner``: MMEngine's classic Runner on any accelkit backend.
+
+An existing config changes in one place::
+
+    custom_imports = dict(imports=['accelkit.integrations.mmengine'])
+    runner_type = 'AccelkitRunner'
+    accelkit = dict(backend='ddp')           # or 'cpu', 'fsdp', 'deepspeed', ... plus its options
+
+MMEngine's Runner wraps the model in ``__init__`` and builds the optimizer later, in ``train()``;
+backends such as DeepSpeed need both at once. This Runner keeps the model unwrapped until the
+optimizer exists and then calls ``accel.setup(model, optimizer)`` once, before the parameter
+schedulers are built. Everything else (loops, hooks, logging, validation, ``resume=True``,
+``load_from``) is MMEngine's own code; checkpoints go through accelkit's portable format.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import mmengine
+from mmengine.model import convert_sync_batchnorm, revert_sync_batchnorm
+from mmengine.registry import RUNNERS
+from mmengine.runner import Runner
+from mmengine.utils import get_git_hash
+
+from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
+from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
+from accelkit.integrations.mmengine.hooks import use_safe_rotation
+from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
+from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
+
+
+@RUNNERS.register_module()
+class AccelkitRunner(Runner):
+    """MMEngine's Runner with the model, optimizer and checkpoints handled by accelkit.
+
+    Takes every argument of ``mmengine.runner.Runner`` plus ``accelkit=dict(backend=...,
+    config=..., precision=..., trust_pickle=False, **backend_options)``, which may also come
+    from the config's top-level ``accelkit`` key.
+    """
+
+    def __init__(self, *args: Any, accelkit: dict | None = None, **kwargs: Any) -> None:
+        self._accelkit_section = accelkit
+        self._bridge: Bridge | None = None
+        self._weights_initialised = False
+        super().__init__(*args, **kwargs)
+
+    @property
+    def accelerator(self) -> Any:
+        """The :class:`accelkit.Accelerator` this Runner trains with."""
+        return self._bridge.accel if self._bridge is not None else None
+
+    # ---- environment and model ----------------------------------------------------------------
+    def setup_env(self, env_cfg: dict) -> None:
+        section = self._accelkit_section
+        if section is None:
+            section = self.cfg.get("accelkit")
+        adapter = AdapterOptions.parse(section, "accelkit")
+        optim_cfg, settings = read_optim_wrapper_cfg(self.optim_wrapper)
+        if optim_cfg is not None:
+            self.optim_wrapper = optim_cfg
+        self._bridge = Bridge(adapter)
+        self._bridge.build_accelerator(settings)
+        if self.distributed:
+            dist_cfg = env_cfg.get("dist_cfg", {}) or {}
+            join_process_group(dist_cfg.get("backend"), dist_cfg.get("timeout"))
+        super().setup_env(env_cfg)
+
+    def build_model(self, model: Any) -> Any:
+        if isinstance(model, dict):
+            with self._bridge.model_context():
+                return super().build_model(model)
+        return super().build_model(model)
+
+    def wrap_model(self, model_wrapper_cfg: dict | None, model: Any) -> Any:
+        """Leave the model unwrapped: accelkit wraps it together with its optimizer."""
+        if model_wrapper_cfg is not None:
+            raise ConfigError(
+                "model_wrapper_cfg cannot be used with AccelkitRunner: the accelkit backend "
+                "wraps the model (DDP options such as find_unused_parameters go in "
+                "accelkit=dict(backend='ddp', find_unused_parameters=True))"
+            )
+        if self._world_size == 1:
+            return revert_sync_batchnorm(model)
+        sync_bn = self.cfg.get("sync_bn", None)
+        return convert_sync_batchnorm(model, sync_bn) if sync_bn is not None else model
+
+    def _init_model_weights(self) -> None:
+        if self._weights_initialised:
+            return
+        self._weights_initialised = True
+        super()._init_model_weights()
+
+    def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
+        if isinstance(self.model, AccelkitModelWrapper):
+            if optim_wrapper is not None:
+                raise UnsupportedError(
+                    "the model was set up for evaluation only; call train() before val()/test(), "
+                    "or build a new Runner to train"
+                )
+            return
+        self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
+        self.model = self._bridge.setup(self.model, optim_wrapper)
+
+    def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        if isinstance(optim_wrapper, AccelkitOptimWrapper):
+            return optim_wrapper
+        if optim_wrapper is not self.optim_wrapper:
+            optim_wrapper, _ = read_optim_wrapper_cfg(optim_wrapper)
+        wrapper = super().build_optim_wrapper(optim_wrapper)
+        self._setup_model(wrapper)
+        return wrapper
+
+    def val(self) -> dict:
+        self._setup_model(None)
+        return super().val()
+
+    def test(self) -> dict:
+        self._setup_model(None)
+        return super().test()
+
+    def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
+        super().register_hooks(default_hooks, custom_hooks)
+        use_safe_rotation(self._hooks)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def resume(
+        self,
+        filename: str,
+        resume_optimizer: bool = True,
+        resume_param_scheduler: bool = True,
+        map_location: Any = "default",
+    ) -> None:
+        self._resume_optimizer = resume_optimizer
+        try:
+            super().resume(filename, resume_optimizer, resume_param_scheduler, map_location)
+        finally:
+            self._resume_optimizer = None
+
+    def load_checkpoint(
+        self,
+        filename: str,
+        map_location: Any = "cpu",
+        strict: bool = False,
+        revise_keys: list = [(r"^module.", "")],  # noqa: B006 - MMEngine's signature
+    ) -> dict:
+        resuming = getattr(self, "_resume_optimizer", None) is not None
+        optim_wrapper = None
+        if resuming and self._resume_optimizer:
+            optim_wrapper = self.optim_wrapper = self.build_optim_wrapper(self.optim_wrapper)
+        else:
+            self._setup_model(None)
+        checkpoint = self._bridge.load(
+            filename,
+            self.model,
+            optim_wrapper,
+            strict=strict or resuming,
+            revise_keys=revise_keys,
+            before_model=lambda c: self.call_hook("after_load_checkpoint", checkpoint=c),
+        )
+        self._has_loaded = True
+        self.logger.info(f"Load checkpoint from {filename}")
+        return checkpoint
+
+    def save_checkpoint(
+        self,
+        out_dir: str,
+        filename: str,
+        file_client_args: dict | None = None,
+        save_optimizer: bool = True,
+        save_param_scheduler: bool = True,
+        meta: dict | None = None,
+        by_epoch: bool = True,
+        backend_args: dict | None = None,
+    ) -> None:
+        """Write a portable checkpoint; every rank takes part (sharded backends need it)."""
+        if file_client_args is not None or backend_args is not None:
+            raise UnsupportedError("accelkit checkpoints are written to local paths only")
+        meta = {} if meta is None else meta
+        if not isinstance(meta, dict):
+            raise TypeError(f"meta should be a dict or None, but got {type(meta)}")
+        if by_epoch:
+            meta.setdefault("epoch", self.epoch + 1)
+            meta.setdefault("iter", self.iter)
+        else:
+            meta.setdefault("epoch", self.epoch)
+            meta.setdefault("iter", self.iter + 1)
+        meta.update(
+            cfg=self.cfg.pretty_text,
+            seed=self.seed,
+            experiment_name=self.experiment_name,
+            time=time.strftime("%Y%m%d_%H%M%S", time.localtime()),
+            mmengine_version=mmengine.__version__ + get_git_hash(),
+        )
+        if hasattr(self.train_dataloader.dataset, "metainfo"):
+            meta.update(dataset_meta=self.train_dataloader.dataset.metainfo)
+        checkpoint: dict[str, Any] = {"meta": meta, "message_hub": self.message_hub.state_dict()}
+        if save_param_scheduler and self.param_schedulers is not None:
+            if isinstance(self.param_schedulers, dict):
+                checkpoint["param_schedulers"] = {
+                    name: [s.state_dict() for s in schedulers]
+                    for name, schedulers in self.param_schedulers.items()
+                }
+            else:
+                checkpoint["param_schedulers"] = [s.state_dict() for s in self.param_schedulers]
+        self.call_hook("before_save_checkpoint", checkpoint=checkpoint)
+        optim_wrapper = self.optim_wrapper if save_optimizer else None
+        if optim_wrapper is not None and not isinstance(optim_wrapper, AccelkitOptimWrapper):
+            optim_wrapper = None
+        self._bridge.save(os.path.join(out_dir, filename), self.model, optim_wrapper, checkpoint)
