@@ -135,7 +135,10 @@ class PluginHost:
                 self._register("native", "accelkit", _version(), "accelkit.backends")
                 return
             seen = set()
-            for ep in _entry_points():
+            # the native backends first, whatever sys.path order says: a plugin may not take
+            # their names (a plugin earlier on PYTHONPATH would otherwise shadow 'cpu')
+            native_first = sorted(_entry_points(), key=lambda ep: ep.value != "accelkit.backends")
+            for ep in native_first:
                 if ep.name in seen:
                     continue
                 seen.add(ep.name)
