@@ -1,0 +1,163 @@
+"""The portable checkpoint: one format every backend writes and reads, at any world size.
+
+A checkpoint is a directory::
+
+    ckpt/
+      accelkit.json            manifest: versions, world size, precision, step, objects, and
+                               every tensor with its fragments and their SHA-256 checksums
+      rank-00000.safetensors   rank 0's fragments (1-D ranges of flattened tensors) and RNG
+      rank-00001.safetensors   ...written in parallel, no gather
+      extra.json               the user's numbers and strings
+
+``save`` and ``load`` are what :meth:`Accelerator.save` and :meth:`Accelerator.load` call.
+The format is specified in docs/checkpoint.md. Nothing is unpickled on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from accelkit.checkpoint import rng as rng_io
+from accelkit.checkpoint import storage
+from accelkit.checkpoint.codec import decode
+from accelkit.checkpoint.fqn import canonical_fqn
+from accelkit.checkpoint.fragments import (
+    Fragment,
+    ObjectInfo,
+    classify_state,
+    dense_fragments,
+    load_dense_fragments,
+)
+from accelkit.checkpoint.manifest import BACKEND_OBJECT, FORMAT_VERSION, Manifest, TensorEntry
+from accelkit.checkpoint.reader import CheckpointReader
+from accelkit.checkpoint.writer import agree, backend_of, save
+from accelkit.errors import CheckpointError
+
+log = logging.getLogger("accelkit")
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointReader",
+    "Fragment",
+    "Manifest",
+    "ObjectInfo",
+    "TensorEntry",
+    "canonical_fqn",
+    "dense_fragments",
+    "load",
+    "load_dense_fragments",
+    "resolve",
+    "save",
+]
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory ``path`` names (itself, or its ``latest``)."""
+    return storage.resolve(path)
+
+
+def load(
+    accel: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    rng: bool = True,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Fill the objects of ``state`` in place from the checkpoint at ``path``.
+
+    ``path`` is a checkpoint directory or a directory with a ``latest`` pointer. Models and
+    optimizers are filled by the backend's ``load_fragments`` (this rank's ranges only);
+    schedulers and other stateful objects through ``load_state_dict``; plain values in ``state``
+    are replaced by the saved ones. Returns the saved values whose names are not in ``state``.
+    With ``strict``, names in ``state`` missing from the checkpoint, and tensors missing on
+    either side, raise :class:`~accelkit.errors.CheckpointError` listing all of them.
+    ``rng`` restores this rank's RNG state (exact when the world size is unchanged).
+    ``verify`` checks each fragment's SHA-256 the first time it is read.
+    """
+    backend = backend_of(accel)
+    unconsumed: dict[str, Any] = {}
+    error = None
+    try:
+        unconsumed = _load(backend, path, state, strict=strict, rng=rng, verify=verify)
+    except Exception as err:
+        error = err
+    agree(error, f"loading {path}")
+    return unconsumed
+
+
+def _load(
+    backend: Any, path: Any, state: dict[str, Any], *, strict: bool, rng: bool, verify: bool
+) -> dict[str, Any]:
+    directory = storage.resolve(path)
+    reader = CheckpointReader(directory, strict=strict, verify=verify)
+    objects = classify_state(state)
+    saved = reader.manifest.objects
+    missing = [name for name in state if name not in saved]
+    reader.check_keys("state", missing, [])
+    expected_types = {"module": objects.modules, "optimizer": objects.optimizers}
+    tensor_state = {}
+    for name, obj in state.items():
+        if name not in saved:
+            continue
+        saved_type = saved[name].get("type")
+        for kind, group in expected_types.items():
+            if name in group and saved_type != kind:
+                raise CheckpointError(
+                    f"{reader.manifest_path}: {name!r} is a {saved_type} in the checkpoint, "
+                    f"a {kind} in the state"
+                )
+        if name in objects.modules or name in objects.optimizers:
+            tensor_state[name] = obj
+    if tensor_state:
+        backend.load_fragments(reader, tensor_state)
+
+    for group in (objects.schedulers, objects.statefuls):
+        for name, obj in group.items():
+            if name not in saved:
+                continue
+            info = saved[name]
+            if "state" not in info:
+                raise CheckpointError(
+                    f"{reader.manifest_path}: {name!r} is a {info.get('type')} in the "
+                    "checkpoint and has no state to load into a stateful object"
+                )
+            obj.load_state_dict(decode(info["state"], reader.tensor_source(name, "state")))
+    extras = reader.extras()
+    for name in objects.extras:
+        if name in extras:
+            state[name] = extras[name]
+    backend_state = reader.manifest.data.get("backend_state")
+    if backend_state:
+        backend.load_state_dict(
+            decode(backend_state, reader.tensor_source(BACKEND_OBJECT, "state"))
+        )
+    if rng:
+        saved_rng = reader.rng(backend.rank)
+        if saved_rng is not None:
+            rng_io.restore(*saved_rng)
+            if reader.manifest.world_size != backend.world_size:
+                log.warning(
+                    "restored rank %d's RNG state from a checkpoint of world size %d (now %d): "
+                    "random streams continue per rank, not as one run would",
+                    backend.rank,
+                    reader.manifest.world_size,
+                    backend.world_size,
+                )
+        elif reader.manifest.data.get("rng"):
+            log.warning("rank %d: the checkpoint has no RNG state for this rank", backend.rank)
+
+    unconsumed: dict[str, Any] = {}
+    for name, info in saved.items():
+        if name in state:
+            continue
+        kind = info.get("type")
+        if kind == "extra" and name in extras:
+            unconsumed[name] = extras[name]
+        elif kind in ("scheduler", "stateful"):
+            unconsumed[name] = decode(info["state"], reader.tensor_source(name, "state"))
+    return unconsumed

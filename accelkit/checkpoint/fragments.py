@@ -1,0 +1,576 @@
+"""Fragments: the unit every backend writes and reads.
+
+Every sharded backend holds a tensor as contiguous ranges of its flattened form (ZeRO-1/2 flat
+partitions, ZeRO-3 partitions, FSDP2 row shards). A :class:`Fragment` is one such range on one
+rank. A backend's ``local_fragments(state)`` yields the fragments this rank holds, plus one
+:class:`ObjectInfo` per object with its non-tensor description (an optimizer's family and param
+groups); ``load_fragments(reader, state)`` fills this rank's pieces from any checkpoint through
+:class:`~accelkit.checkpoint.reader.CheckpointReader`, whatever wrote it.
+
+This module holds the default pair used by the torch-native backends: plain tensors (one
+process, or replicas under data parallelism) and DTensor parameters, without naming any backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from accelkit.checkpoint.codec import decode, encode
+from accelkit.checkpoint.fqn import module_tensors, user_module
+from accelkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from accelkit.checkpoint.manifest import TensorEntry
+    from accelkit.checkpoint.reader import CheckpointReader
+
+log = logging.getLogger("accelkit")
+
+PARAM, BUFFER, MASTER = "param", "buffer", "master"
+OPTIM_PREFIX = "optim:"
+
+#: replicated tensors at least this large are split across ranks, so each rank writes a slice
+SPLIT_BYTES = 4 << 20
+
+
+@dataclass
+class Fragment:
+    """The range ``[flat_offset, flat_offset + data.numel())`` of the flattened tensor ``fqn``.
+
+    ``data`` is 1-D (a view is best: nothing is copied until it is written) on any device.
+    ``meta`` holds tensor-level manifest fields: ``aliases`` (tied names), ``trainable``,
+    ``upcast`` (an fp32 master made from low-precision weights), ``gathered`` (written from a
+    gathered full tensor). A fragment with no elements just declares the tensor.
+    """
+
+    object: str
+    fqn: str
+    kind: str
+    shape: tuple[int, ...]
+    flat_offset: int
+    data: torch.Tensor
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class ObjectInfo:
+    """The non-tensor description of one object of the state (JSON-ready; rank 0's is kept)."""
+
+    object: str
+    info: dict[str, Any]
+
+
+# ---- what is in a state dict ----------------------------------------------------------------------
+@dataclass
+class StateObjects:
+    """The objects of a user's ``state`` dict, sorted by what they are."""
+
+    modules: dict[str, torch.nn.Module] = field(default_factory=dict)
+    #: the inner torch optimizers (accelkit's proxy unwrapped)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    statefuls: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def kind_of(self, name: str) -> str:
+        for kind in ("modules", "optimizers", "schedulers", "statefuls", "extras"):
+            if name in getattr(self, kind):
+                return kind[:-1] if kind != "extras" else "extra"
+        raise KeyError(name)
+
+
+def inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    from accelkit.wrappers import AcceleratedOptimizer
+
+    while isinstance(opt, AcceleratedOptimizer):
+        opt = opt.optimizer
+    return opt
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def classify_state(state: dict[str, Any]) -> StateObjects:
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of name -> object, got {type(state).__name__}")
+    out = StateObjects()
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("__"):
+            raise CheckpointError(
+                f"state key {name!r}: use a non-empty string without '/' that does not start "
+                "with '__' (reserved)"
+            )
+        if isinstance(obj, torch.nn.Module):
+            out.modules[name] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            out.optimizers[name] = inner_optimizer(obj)
+        elif is_stateful(obj) and isinstance(
+            getattr(obj, "optimizer", None), torch.optim.Optimizer
+        ):
+            out.schedulers[name] = obj
+        elif is_stateful(obj):
+            out.statefuls[name] = obj
+        else:
+            out.extras[name] = obj
+    return out
+
+
+# ---- optimizer description --------------------------------------------------------------------------
+_FAMILIES = {
+    "adam": "adam",
+    "adamw": "adamw",
+    "fusedadam": "adam",
+    "deepspeedcpuadam": "adam",
+    "sgd": "sgd",
+    "fusedsgd": "sgd",
+    "adagrad": "adagrad",
+    "rmsprop": "rmsprop",
+    "adamax": "adamax",
+    "nadam": "nadam",
+    "radam": "radam",
+    "adadelta": "adadelta",
+    "lamb": "lamb",
+    "fusedlamb": "lamb",
+    "lion": "lion",
+    "adafactor": "adafactor",
+}
+
+
+def optimizer_family(opt: torch.optim.Optimizer) -> str:
+    """``adam``, ``adamw``, ``sgd``, ...: what the state keys mean, across implementations."""
+    name = type(opt).__name__.lower()
+    return _FAMILIES.get(name, name)
+
+
+def param_owners(
+    modules: dict[str, torch.nn.Module], backend: Any = None
+) -> dict[int, tuple[str, str]]:
+    """id(parameter) -> (module object name, canonical fqn) over every module of the state."""
+    owners: dict[int, tuple[str, str]] = {}
+    for name, module in modules.items():
+        for fqn, tensor, is_param, _aliases in module_tensors(user_module(module, backend)):
+            if is_param:
+                owners.setdefault(id(tensor), (name, fqn))
+    return owners
+
+
+def optimizer_param_names(
+    opt: torch.optim.Optimizer,
+    owners: dict[int, tuple[str, str]],
+    primary: str | None = None,
+) -> tuple[list[list[str]], str | None]:
+    """Each param group's parameter names, and the module object most of them belong to.
+
+    A parameter of the primary module is named by its fqn; one of another module by
+    ``"<object>/<fqn>"``; one of no module in the state by its position.
+    """
+    counts: dict[str, int] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in owners:
+                counts[owners[id(p)][0]] = counts.get(owners[id(p)][0], 0) + 1
+    if primary not in counts:
+        primary = max(counts, key=counts.get) if counts else None
+    names: list[list[str]] = []
+    for g, group in enumerate(opt.param_groups):
+        group_names = []
+        for i, p in enumerate(group["params"]):
+            owner = owners.get(id(p))
+            if owner is None:
+                group_names.append(f"param_groups.{g}.params.{i}")
+            elif owner[0] == primary:
+                group_names.append(owner[1])
+            else:
+                group_names.append(f"{owner[0]}/{owner[1]}")
+        names.append(group_names)
+    return names, primary
+
+
+def _group_hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        try:
+            out[key] = encode(value, f"{where}/{key}")
+        except CheckpointError:
+            log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
+    return out
+
+
+# ---- planning which rank writes what ----------------------------------------------------------------
+class ReplicaPlanner:
+    """Splits the writing of replicated tensors across ranks, the same way on every rank.
+
+    Large tensors (>= ``SPLIT_BYTES``) are cut into ``world`` even contiguous ranges, one per
+    rank; small ones go whole to the least-loaded rank. Every rank sees the same tensors in the
+    same order (data-parallel replicas), so every rank computes the same plan without talking.
+    """
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.loads = [0] * world
+
+    def ranges(self, numel: int, nbytes: int, *, owner: int | None = None) -> list[tuple[int, int]]:
+        if self.world == 1:
+            return [(0, numel)]
+        if owner is None and nbytes >= SPLIT_BYTES and numel >= self.world:
+            base, rest = divmod(numel, self.world)
+            start = self.rank * base + min(self.rank, rest)
+            size = base + (1 if self.rank < rest else 0)
+            for r in range(self.world):
+                self.loads[r] += nbytes // self.world
+            return [(start, size)]
+        if owner is None:
+            owner = min(range(self.world), key=lambda r: (self.loads[r], r))
+        self.loads[owner] += nbytes
+        return [(0, numel)] if owner == self.rank else []
+
+
+# ---- DTensor geometry (no backend named: any DTensor works) -----------------------------------------
+def is_dtensor(tensor: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def local_region(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's piece of a DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tuple(shape), tuple(offset)
+
+
+def flat_range(
+    global_shape: tuple[int, ...], local_shape: tuple[int, ...], offset: tuple[int, ...]
+) -> tuple[int, int] | None:
+    """The flat range a box covers, or None if the box is not contiguous once flattened."""
+    numel = math.prod(local_shape)
+    if numel == 0:
+        return (0, 0)
+    k = next((i for i, (lo, g) in enumerate(zip(local_shape, global_shape)) if lo != g), None)
+    if k is None:
+        return (0, numel)
+    if any(local_shape[i] != 1 for i in range(k)) or any(
+        local_shape[i] != global_shape[i] for i in range(k + 1, len(global_shape))
+    ):
+        return None
+    strides = [math.prod(global_shape[i + 1 :]) for i in range(len(global_shape))]
+    return (sum(o * s for o, s in zip(offset, strides)), numel)
+
+
+def _dtensor_writes_here(tensor: Any) -> bool | None:
+    """True if this rank writes its local shard; None if the placements need a gather."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    coord = tensor.device_mesh.get_coordinate()
+    if coord is None:
+        return False
+    for placement, c in zip(tensor.placements, coord):
+        if type(placement) is Replicate:
+            if c != 0:
+                return False
+        elif type(placement) is not Shard:
+            return None  # Partial, _StridedShard, ...
+    return True
+
+
+# ---- the default writer -----------------------------------------------------------------------------
+def tensor_fragments(
+    obj: str,
+    fqn: str,
+    kind: str,
+    tensor: torch.Tensor,
+    planner: ReplicaPlanner,
+    *,
+    meta: dict[str, Any] | None = None,
+    owner: int | None = None,
+) -> Iterator[Fragment]:
+    """This rank's fragments of one tensor: its DTensor shard, or its planned slice of a replica."""
+    meta = dict(meta or {})
+    shape = tuple(tensor.shape)
+    tensor = tensor.detach()
+    if is_dtensor(tensor):
+        writes = _dtensor_writes_here(tensor)
+        local_shape, offset = local_region(tensor)
+        rng = flat_range(shape, local_shape, offset) if writes is not None else None
+        if rng is not None:
+            local = tensor.to_local().reshape(-1)
+            if writes and local.numel():
+                yield Fragment(obj, fqn, kind, shape, rng[0], local, meta)
+            else:
+                yield Fragment(obj, fqn, kind, shape, 0, local[:0], meta)
+            return
+        tensor = tensor.full_tensor()  # a collective: same order on every rank
+        meta["gathered"] = True
+    flat = tensor.reshape(-1)
+    ranges = planner.ranges(flat.numel(), flat.numel() * flat.element_size(), owner=owner)
+    for start, size in ranges:
+        yield Fragment(obj, fqn, kind, shape, start, flat[start : start + size], meta)
+    if not ranges:
+        yield Fragment(obj, fqn, kind, shape, 0, flat[:0], meta)
+
+
+def dense_fragments(
+    backend: Any, state: dict[str, Any], names: list[str] | None = None
+) -> Iterator[Fragment | ObjectInfo]:
+    """Fragments of the modules and torch optimizers in ``state`` (all, or those in ``names``).
+
+    Plain tensors are replicas: with a distributed backend each rank writes a disjoint part
+    (:class:`ReplicaPlanner`); buffers are written by rank 0, whose copy is authoritative (DDP
+    broadcasts rank 0's buffers). DTensor shards are written by the rank holding them.
+    """
+    objects = classify_state(state)
+    distributed = bool(getattr(backend.capabilities, "distributed", False))
+    rank = backend.rank if distributed else 0
+    world = backend.world_size if distributed else 1
+    if not distributed and backend.rank != 0:
+        return  # independent processes: rank 0 writes everything
+    planner = ReplicaPlanner(rank, world)
+    wanted = set(names) if names is not None else None
+    for name, module in objects.modules.items():
+        if wanted is not None and name not in wanted:
+            continue
+        inner = user_module(module, backend)
+        yield ObjectInfo(name, {"type": "module", "class": _qualname(inner)})
+        for fqn, tensor, is_param, aliases in module_tensors(inner):
+            if tensor.device.type == "meta":
+                raise CheckpointError(
+                    f"{name}.{fqn} is on the meta device (not materialized); nothing to save"
+                )
+            meta: dict[str, Any] = {"aliases": aliases}
+            if is_param and not tensor.requires_grad:
+                meta["trainable"] = False
+            yield from tensor_fragments(
+                name,
+                fqn,
+                PARAM if is_param else BUFFER,
+                tensor,
+                planner,
+                meta=meta,
+                owner=None if is_param else 0,
+            )
+    owners = param_owners(objects.modules, backend)
+    for name, opt in objects.optimizers.items():
+        if wanted is not None and name not in wanted:
+            continue
+        group_names, primary = optimizer_param_names(opt, owners)
+        scalar_state: dict[str, Any] = {}
+        for group, pnames in zip(opt.param_groups, group_names):
+            for p, pname in zip(group["params"], pnames):
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        yield from tensor_fragments(name, pname, OPTIM_PREFIX + key, value, planner)
+                    else:
+                        scalar_state.setdefault(pname, {})[key] = encode(
+                            value, f"{name}/state/{pname}/{key}"
+                        )
+        yield ObjectInfo(
+            name,
+            {
+                "type": "optimizer",
+                "class": _qualname(opt),
+                "family": optimizer_family(opt),
+                "model": primary,
+                "step_granularity": "param",
+                "param_groups": [
+                    {"params": pnames, **_group_hyperparams(group, f"{name}/param_groups/{g}")}
+                    for g, (group, pnames) in enumerate(zip(opt.param_groups, group_names))
+                ],
+                "scalar_state": scalar_state,
+            },
+        )
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+# ---- the default reader -----------------------------------------------------------------------------
+@torch.no_grad()
+def fill_tensor(reader: CheckpointReader, entry: TensorEntry, target: torch.Tensor) -> None:
+    """Copy this rank's part of ``entry`` into ``target`` (a plain tensor or a DTensor)."""
+    shape = tuple(target.shape)
+    if shape != entry.shape:
+        raise CheckpointError(
+            f"tensor {entry.label}: the checkpoint ({reader.manifest_path}) has shape "
+            f"{list(entry.shape)}, the target has {list(shape)}"
+        )
+    if target.device.type == "meta":
+        raise CheckpointError(
+            f"tensor {entry.label}: the target is on the meta device; materialize the model "
+            "(to_empty) before loading"
+        )
+    if is_dtensor(target):
+        local = target.to_local()
+        local_shape, offset = local_region(target)
+        rng = flat_range(shape, local_shape, offset)
+        if rng is None:  # not contiguous once flattened: read the whole tensor, cut the box
+            full = reader.read(entry).reshape(shape)
+            box = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+            local.copy_(box)
+            return
+        _fill_flat(reader, entry, local, rng[0])
+        return
+    _fill_flat(reader, entry, target, 0)
+
+
+def _fill_flat(reader: CheckpointReader, entry: TensorEntry, dst: torch.Tensor, start: int) -> None:
+    if dst.numel() == 0:
+        return
+    if dst.is_contiguous():
+        reader.read_flat(entry, start, dst.numel(), out=dst.view(-1))
+    else:
+        dst.copy_(reader.read_flat(entry, start, dst.numel()).view(dst.shape))
+
+
+def load_dense_fragments(
+    backend: Any, reader: CheckpointReader, state: dict[str, Any], names: list[str] | None = None
+) -> None:
+    """Fill the modules and torch optimizers of ``state`` (all, or ``names``) from ``reader``."""
+    objects = classify_state(state)
+    wanted = set(names) if names is not None else None
+    for name, module in objects.modules.items():
+        if wanted is None or name in wanted:
+            load_module(reader, name, user_module(module, backend))
+    owners = param_owners(objects.modules, backend)
+    for name, opt in objects.optimizers.items():
+        if wanted is None or name in wanted:
+            load_optimizer(reader, name, opt, owners)
+
+
+def load_module(reader: CheckpointReader, name: str, module: torch.nn.Module) -> None:
+    """Fill parameters and buffers of ``module`` by canonical fqn (tied names through aliases)."""
+    saved = reader.module_entries(name)
+    by_alias = {alias: entry for entry in saved.values() for alias in entry.aliases}
+    used: set[str] = set()
+    missing: list[str] = []
+    plan: list[tuple[TensorEntry, torch.Tensor]] = []
+    for fqn, tensor, _is_param, aliases in module_tensors(module):
+        entry = saved.get(fqn) or by_alias.get(fqn)
+        for alias in aliases:
+            entry = entry or saved.get(alias) or by_alias.get(alias)
+        if entry is None:
+            missing.append(fqn)
+            continue
+        used.add(entry.fqn)
+        plan.append((entry, tensor))
+        if aliases:  # target ties what the checkpoint stored separately: fine, same values
+            used.update(a for a in aliases if a in saved)
+    unexpected = sorted(set(saved) - used)
+    reader.check_keys(f"module {name!r}", missing, unexpected)
+    for entry, tensor in plan:
+        master = reader.entry(name, MASTER, entry.fqn)
+        fill_tensor(reader, master if master is not None else entry, tensor)
+
+
+def _state_like(
+    param: torch.Tensor, key: str, entry: TensorEntry, group: dict[str, Any]
+) -> torch.Tensor:
+    """A new optimizer-state tensor placed as torch's ``Optimizer.load_state_dict`` would."""
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+
+    stored = DTYPES_BY_NAME[entry.dtype]
+    if key == "step":
+        on_device = group.get("capturable") or group.get("fused")
+        device = _local_device(param) if on_device else torch.device("cpu")
+        return torch.zeros(entry.shape, dtype=stored, device=device)
+    dtype = param.dtype if (param.is_floating_point() and stored.is_floating_point) else stored
+    if entry.shape == tuple(param.shape):
+        return torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+    return torch.zeros(entry.shape, dtype=dtype, device=_local_device(param))
+
+
+def _local_device(param: torch.Tensor) -> torch.device:
+    return param.to_local().device if is_dtensor(param) else param.device
+
+
+def load_optimizer(
+    reader: CheckpointReader,
+    name: str,
+    opt: torch.optim.Optimizer,
+    owners: dict[int, tuple[str, str]],
+) -> None:
+    """Fill a torch optimizer's hyperparameters and per-parameter state, matched by fqn."""
+    info = reader.object_info(name, "optimizer")
+    saved_groups = info.get("param_groups", [])
+    group_names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
+    if len(saved_groups) != len(opt.param_groups):
+        reader.check_keys(
+            f"optimizer {name!r}",
+            [],
+            [],
+            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(opt.param_groups)}",
+        )
+    family = info.get("family")
+    if family and family != optimizer_family(opt):
+        log.warning(
+            "optimizer %r: loading %s state into a %s optimizer",
+            name,
+            family,
+            optimizer_family(opt),
+        )
+    saved_names = [list(g.get("params", [])) for g in saved_groups]
+    target_all = {n for names in group_names for n in names}
+    saved_all = {n for names in saved_names for n in names}
+    reader.check_keys(
+        f"optimizer {name!r} parameters",
+        sorted(target_all - saved_all),
+        sorted(saved_all - target_all),
+    )
+    for g, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if set(saved.get("params", [])) != set(group_names[g]):
+            reader.check_keys(
+                f"optimizer {name!r}",
+                [],
+                [],
+                extra=f"param group {g} holds different parameters in the checkpoint",
+            )
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            value = decode(value)
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+            else:
+                group[key] = value
+    per_param = reader.optimizer_entries(name)
+    scalar_state = info.get("scalar_state", {})
+    for group, pnames in zip(opt.param_groups, group_names):
+        for p, pname in zip(group["params"], pnames):
+            entries = per_param.get(pname, {})
+            scalars = scalar_state.get(pname, {})
+            if not entries and not scalars:
+                continue
+            state = opt.state[p]
+            for key, entry in entries.items():
+                target = state.get(key)
+                if not isinstance(target, torch.Tensor) or tuple(target.shape) != entry.shape:
+                    target = _state_like(p, key, entry, group)
+                    state[key] = target
+                fill_tensor(reader, entry, target)
+            for key, value in scalars.items():
+                state[key] = decode(value)

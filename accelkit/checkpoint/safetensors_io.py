@@ -1,0 +1,147 @@
+"""Streaming safetensors writer that hashes each tensor's bytes as it writes them.
+
+``safetensors.torch.save_file`` first turns every tensor into ``bytes`` (a copy of the whole
+state); this writer knows every size up front (fragments are views), writes the header, then
+streams each tensor straight from its memory. Extra host memory is zero for CPU tensors and one
+fragment in flight for device tensors. Hashing runs in a thread pool while the main thread
+writes (hashlib and file writes release the GIL), so the checksum costs little wall time.
+The output is a plain safetensors file: any safetensors reader opens it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+for _name, _code in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        DTYPE_TO_ST[getattr(torch, _name)] = _code
+
+#: the names the manifest uses ("float32", "bfloat16", ...)
+DTYPE_NAMES: dict[torch.dtype, str] = {d: str(d).removeprefix("torch.") for d in DTYPE_TO_ST}
+DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+
+_HEADER_ALIGN = 8
+_MAX_IN_FLIGHT = 4
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def sha256_of(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def write_file(
+    path: str | os.PathLike,
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+    *,
+    pool: ThreadPoolExecutor | None = None,
+    fsync: bool = True,
+    progress: Any = None,
+) -> dict[str, str]:
+    """Write ``(key, tensor)`` pairs as 1-D tensors into a safetensors file; return key -> sha256.
+
+    Each tensor is stored flat (shape ``[numel]``); the manifest keeps the real shapes.
+    ``progress`` (a tqdm bar) is advanced by the bytes written.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for key, tensor in tensors:
+        if tensor.dtype not in DTYPE_TO_ST:
+            raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors code")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": DTYPE_TO_ST[tensor.dtype],
+            "shape": [tensor.numel()],
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-(len(raw) + 8)) % _HEADER_ALIGN)
+    own_pool = pool is None
+    pool = pool or ThreadPoolExecutor(max_workers=2)
+    digests: dict[str, Future] = {}
+    in_flight: deque[Future] = deque()
+    try:
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for key, tensor in tensors:
+                host = _to_host(tensor)
+                view = tensor_bytes(host)
+                fut = pool.submit(_hash, view, host)
+                digests[key] = fut
+                in_flight.append(fut)
+                if view.nbytes:
+                    f.write(view)
+                if progress is not None:
+                    progress.update(view.nbytes)
+                while len(in_flight) > _MAX_IN_FLIGHT:  # bound host copies of device tensors
+                    in_flight.popleft().result()
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        return {key: fut.result() for key, fut in digests.items()}
+    finally:
+        if own_pool:
+            pool.shutdown(wait=True)
+
+
+def _hash(view: memoryview, keepalive: torch.Tensor) -> str:
+    del keepalive  # held by the closure until the hash is done
+    return hashlib.sha256(view).hexdigest()
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """The parsed JSON header and the byte offset where the data starts."""
+    with open(path, "rb") as f:
+        size_bytes = f.read(8)
+        if len(size_bytes) != 8:
+            raise ValueError("file is shorter than a safetensors header")
+        (size,) = struct.unpack("<Q", size_bytes)
+        if size > 100_000_000:
+            raise ValueError(f"header size {size} is implausible")
+        raw = f.read(size)
+        if len(raw) != size:
+            raise ValueError("header is truncated")
+    return json.loads(raw), 8 + size

@@ -1,0 +1,364 @@
+"""Saving: every rank writes its own fragments in parallel; rank 0 writes the manifest and commits.
+
+Sequence (each step is agreed by all ranks, so a failure on one rank fails them all with the
+same message instead of hanging the others):
+
+1. rank 0 creates the temporary sibling ``.<name>.accelkit-tmp`` with a marker file; every rank
+   checks it sees the marker (ranks that do not share the directory fail here, clearly);
+2. every rank writes ``rank-NNNNN.safetensors`` (its fragments, its RNG state) and fsyncs it;
+   the fragment records (names, ranges, checksums: a few bytes each) are gathered to rank 0;
+3. rank 0 writes ``extra.json`` and ``accelkit.json``, fsyncs, renames the directory into place,
+   moves the ``latest`` pointer, and rotates old checkpoints (``keep_last``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accelkit import distributed
+from accelkit.checkpoint import rng as rng_io
+from accelkit.checkpoint import storage
+from accelkit.checkpoint.codec import drop_callables, encode
+from accelkit.checkpoint.fragments import Fragment, ObjectInfo, StateObjects, classify_state
+from accelkit.checkpoint.manifest import (
+    BACKEND_OBJECT,
+    EXTRA_NAME,
+    EXTRA_OBJECT,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    RNG_OBJECT,
+    FragmentRecord,
+    Manifest,
+    TensorEntry,
+    rank_file_name,
+)
+from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, write_file
+from accelkit.errors import CheckpointError
+
+log = logging.getLogger("accelkit")
+
+
+def backend_of(accel: Any) -> Any:
+    """The backend behind an Accelerator (or a Backend itself; None: a plain single process)."""
+    from accelkit.backend import Backend, NoOptions, Settings
+
+    if accel is None:
+        return Backend("cpu", NoOptions(), Settings(precision="32-true"))
+    if isinstance(accel, Backend):
+        return accel
+    return accel.backend
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """All ranks learn whether any rank failed; every rank then raises the same error."""
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    messages = distributed.all_gather_object(message)
+    failed = [(r, m) for r, m in enumerate(messages) if m]
+    if not failed:
+        return
+    if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
+        raise error
+    detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
+    raise CheckpointError(f"{what} failed: {detail}") from error
+
+
+class _Collector:
+    """Turns the tensors met while encoding JSON state into fragments of this rank's file."""
+
+    def __init__(self) -> None:
+        self.fragments: list[Fragment] = []
+
+    def sink(self, obj: str, kind: str):
+        def put(path: str, tensor: torch.Tensor) -> str:
+            flat = tensor.detach().reshape(-1)
+            self.fragments.append(Fragment(obj, path, kind, tuple(tensor.shape), 0, flat))
+            return path
+
+        return put
+
+
+def _json_states(
+    objects: StateObjects, backend: Any, collector: _Collector
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Rank 0's non-tensor state: scheduler and stateful objects, extras, the backend's state."""
+    infos: dict[str, Any] = {}
+    for kind, group in (("scheduler", objects.schedulers), ("stateful", objects.statefuls)):
+        for name, obj in group.items():
+            state = drop_callables(obj.state_dict(), name)
+            infos[name] = {
+                "type": kind,
+                "class": f"{type(obj).__module__}.{type(obj).__qualname__}",
+                "state": encode(state, name, collector.sink(name, "state")),
+            }
+    extras = {
+        name: encode(value, name, collector.sink(EXTRA_OBJECT, "extra"))
+        for name, value in objects.extras.items()
+    }
+    for name in objects.extras:
+        infos[name] = {"type": "extra"}
+    backend_state = encode(backend.state_dict(), "backend", collector.sink(BACKEND_OBJECT, "state"))
+    return infos, extras, backend_state
+
+
+def _fragment_key(frag: Fragment) -> str:
+    return f"{frag.object}/{frag.kind}/{frag.fqn}@{frag.flat_offset}"
+
+
+def _write_rank(
+    backend: Any, path: Path, state: dict[str, Any], objects: StateObjects, save_rng: bool
+) -> dict[str, Any]:
+    rank = backend.rank
+    collector = _Collector()
+    infos: dict[str, Any] = {}
+    fragments: list[Fragment] = []
+    for item in backend.local_fragments(state):
+        if isinstance(item, ObjectInfo):
+            infos[item.object] = item.info
+        elif isinstance(item, Fragment):
+            fragments.append(item)
+        else:
+            raise CheckpointError(
+                f"backend {backend.name!r}: local_fragments yielded a {type(item).__name__}; "
+                "expected Fragment or ObjectInfo"
+            )
+    record: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        json_infos, extras, backend_state = _json_states(objects, backend, collector)
+        infos.update(json_infos)
+        record.update(infos=infos, extras=extras, backend_state=backend_state)
+    if save_rng:
+        rng_tensors, rng_scalars = rng_io.capture()
+        for name, tensor in rng_tensors.items():
+            collector.fragments.append(
+                Fragment(
+                    f"{RNG_OBJECT}.{rank}", name, "rng", tuple(tensor.shape), 0, tensor.reshape(-1)
+                )
+            )
+        record["rng"] = {"tensors": sorted(rng_tensors), "scalars": encode(rng_scalars, "rng")}
+    fragments.extend(collector.fragments)
+
+    to_write: list[tuple[str, torch.Tensor]] = []
+    keys: set[str] = set()
+    out = []
+    for frag in fragments:
+        if frag.data.dim() != 1:
+            raise CheckpointError(f"fragment {frag.object}:{frag.kind}:{frag.fqn} must be 1-D")
+        if frag.data.dtype not in DTYPE_NAMES:
+            raise CheckpointError(
+                f"fragment {frag.object}:{frag.kind}:{frag.fqn}: dtype {frag.data.dtype} cannot be stored"
+            )
+        numel = frag.data.numel()
+        total = 1
+        for s in frag.shape:
+            total *= s
+        if frag.flat_offset < 0 or frag.flat_offset + numel > total:
+            raise CheckpointError(
+                f"fragment {frag.object}:{frag.kind}:{frag.fqn}: range [{frag.flat_offset}, "
+                f"{frag.flat_offset + numel}) is outside shape {list(frag.shape)}"
+            )
+        key = _fragment_key(frag) if numel else ""
+        if numel:
+            if key in keys:
+                raise CheckpointError(f"rank {rank} yields fragment {key} twice")
+            keys.add(key)
+            to_write.append((key, frag.data))
+        out.append(
+            {
+                "object": frag.object,
+                "fqn": frag.fqn,
+                "kind": frag.kind,
+                "shape": list(frag.shape),
+                "dtype": DTYPE_NAMES[frag.data.dtype],
+                "flat_offset": frag.flat_offset,
+                "numel": numel,
+                "key": key,
+                "meta": frag.meta,
+            }
+        )
+    file_name = rank_file_name(rank)
+    file_path = storage.temp_dir(path) / file_name
+    workers = max(1, min(8, (os.cpu_count() or 2)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = write_file(
+            file_path,
+            to_write,
+            {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)},
+            pool=pool,
+        )
+    for rec in out:
+        rec["sha256"] = digests.get(rec["key"], "")
+    record["fragments"] = out
+    record["file"] = {"name": file_name, "bytes": file_path.stat().st_size}
+    return record
+
+
+def _build_manifest(
+    backend: Any, accel: Any, records: list[dict[str, Any]], state_keys: list[str], step: Any
+) -> tuple[Manifest, dict[str, Any]]:
+    main = records[0]
+    entries: dict[tuple[str, str, str], TensorEntry] = {}
+    for record in records:
+        for rec in record["fragments"]:
+            label = (rec["object"], rec["kind"], rec["fqn"])
+            entry = entries.get(label)
+            if entry is None:
+                entry = TensorEntry(
+                    rec["object"], rec["fqn"], rec["kind"], tuple(rec["shape"]), rec["dtype"]
+                )
+                entries[label] = entry
+            elif entry.shape != tuple(rec["shape"]) or entry.dtype != rec["dtype"]:
+                raise CheckpointError(
+                    f"tensor {entry.label}: rank {record['rank']} reports shape {rec['shape']} "
+                    f"{rec['dtype']}, another rank {list(entry.shape)} {entry.dtype}"
+                )
+            for key, value in (rec.get("meta") or {}).items():
+                entry.meta.setdefault(key, value)
+            if rec["numel"]:
+                entry.fragments.append(
+                    FragmentRecord(
+                        record["file"]["name"],
+                        rec["key"],
+                        rec["flat_offset"],
+                        rec["numel"],
+                        rec["sha256"],
+                    )
+                )
+    tensors = sorted(
+        entries.values(), key=lambda t: (t.object.startswith("__"), t.object, t.kind, t.fqn)
+    )
+    for t in tensors:
+        t.fragments.sort(key=lambda f: f.flat_offset)
+    objects = {}
+    for name in state_keys:
+        info = main["infos"].get(name)
+        if info is None:
+            info = {"type": "module" if any(t.object == name for t in tensors) else "unknown"}
+        objects[name] = info
+    try:
+        import safetensors
+
+        st_version = safetensors.__version__
+    except (ImportError, AttributeError):  # pragma: no cover
+        st_version = "?"
+    from accelkit import __version__
+
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created_unix_ns": time.time_ns(),
+        "writer": {
+            "backend": backend.name,
+            "accelkit": __version__,
+            "torch": torch.__version__,
+            "safetensors": st_version,
+            "python": platform.python_version(),
+        },
+        "world_size": len(records),
+        "precision": getattr(backend.settings, "precision", None),
+        "step": step,
+        "files": {
+            r["file"]["name"]: {"rank": r["rank"], "bytes": r["file"]["bytes"]} for r in records
+        },
+        "objects": objects,
+        "backend_state": main.get("backend_state", {}),
+        "rng": {str(r["rank"]): r["rng"] for r in records if "rng" in r},
+    }
+    return Manifest(data, tensors), main.get("extras", {})
+
+
+def save(
+    accel: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    latest: bool = True,
+    step: int | None = None,
+    rng: bool = True,
+) -> Path:
+    """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`."""
+    started = time.perf_counter()
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    backend = backend_of(accel)
+    path = Path(path).absolute()
+    rank = backend.rank
+    objects = classify_state(state)
+    if step is None:
+        explicit = state.get("step")
+        if isinstance(explicit, int) and not isinstance(explicit, bool):
+            step = explicit
+        elif hasattr(accel, "applied_steps"):
+            step = accel.applied_steps
+
+    token, error = None, None
+    if rank == 0:
+        try:
+            token = storage.prepare(path)
+        except Exception as err:
+            error = err
+    agree(error, f"saving {path}")
+    token = distributed.broadcast_object(token, 0)
+    sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token))
+    if not all(sees):
+        blind = [r for r, ok in enumerate(sees) if not ok]
+        raise CheckpointError(
+            f"saving {path}: rank(s) {blind} cannot see {storage.temp_dir(path)}, which rank 0 "
+            "created. Every rank must write to the same directory on a filesystem they all "
+            "share (NFS, Lustre, a single machine's disk)."
+        )
+
+    record, error = None, None
+    try:
+        record = _write_rank(backend, path, state, objects, rng)
+    except Exception as err:
+        error = err
+    agree(error, f"saving {path}")
+    records = distributed.all_gather_object(record)
+
+    error = None
+    if rank == 0:
+        try:
+            manifest, extras = _build_manifest(backend, accel, records, list(state), step)
+            tmp = storage.temp_dir(path)
+            if extras:
+                raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
+                (tmp / EXTRA_NAME).write_bytes(raw)
+                storage.fsync_file(tmp / EXTRA_NAME)
+                import hashlib
+
+                manifest.data["files"][EXTRA_NAME] = {
+                    "bytes": len(raw),
+                    "sha256": hashlib.sha256(raw).hexdigest(),
+                }
+            try:
+                manifest.validate()
+            except CheckpointError as err:
+                raise CheckpointError(
+                    f"backend {backend.name!r} wrote an inconsistent checkpoint: {err}"
+                ) from err
+            (tmp / MANIFEST_NAME).write_text(manifest.to_json_text())
+            storage.fsync_file(tmp / MANIFEST_NAME)
+            storage.commit(path)
+            if latest:
+                storage.write_latest(path)
+            if keep_last is not None:
+                storage.rotate(path, keep_last)
+        except Exception as err:
+            error = err
+    agree(error, f"saving {path}")
+    if rank == 0:
+        size = sum(r["file"]["bytes"] for r in records)
+        elapsed = time.perf_counter() - started
+        log.info("saved %s: %.3f GB in %.2f s", path, size / 1e9, elapsed)
+    return path
