@@ -231,12 +231,17 @@ class Accelerator:
     def _closes_next(self, window: _Window) -> bool:
         return window.micro + 1 >= self.accumulation_steps or self._end_of_loader
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Skip gradient sync inside an accumulation window, where that is safe and cheap.
 
         Optional: without it the numbers are the same and gradients sync every micro-batch.
         """
+        if not self.capabilities.no_sync:  # nothing to skip: the hot loop pays nothing here
+            return contextlib.nullcontext()
+        return self._accumulate_without_sync(models)
+
+    @contextlib.contextmanager
+    def _accumulate_without_sync(self, models: tuple[torch.nn.Module, ...]) -> Iterator[None]:
         models = models or tuple(self._models)
         windows = list(self._windows.values())
         closes = not windows or any(self._closes_next(w) for w in windows)

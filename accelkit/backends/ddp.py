@@ -70,8 +70,9 @@ class DDPBackend(SingleDeviceBackend):
             find_unused_parameters=o.find_unused_parameters,
             static_graph=o.static_graph,
             gradient_as_bucket_view=o.gradient_as_bucket_view,
-            broadcast_buffers=o.broadcast_buffers,
         )
+        if not o.broadcast_buffers:  # passed only when off: torch >= 2.13 warns on the keyword
+            kwargs["broadcast_buffers"] = False
         if o.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = o.bucket_cap_mb
         if self._device.type == "cuda":
