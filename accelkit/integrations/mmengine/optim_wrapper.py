@@ -110,6 +110,8 @@ class AccelkitOptimWrapper(OptimWrapper):
     def _backward_divided_by(self, loss: torch.Tensor, divisor: int, **kwargs: Any) -> None:
         accel = self._accel
         n = accel.accumulation_steps
+        # a backend that reduces at its own boundary (DeepSpeed) asks the window before backward
+        self._place_window(closes=self.should_sync(), counted=self._inner_count)
         if n != divisor:
             # accelkit (or the backend) divides by n; MMEngine wants loss / divisor
             loss = loss * (n / divisor)

@@ -1,0 +1,462 @@
+"""The MMEngine adapter against MMEngine itself.
+
+The reference is MMEngine's own Runner, run in a process that imports nothing from accelkit
+(``REFERENCE_DRIVER``). The accelkit side runs the same user project (``TOY_PROJECT``: a model,
+a dataset, a metric and a hook that records what happened) with the one config change a user
+makes: ``runner_type='AccelkitRunner'`` or ``strategy=dict(type='AccelkitStrategy', ...)``.
+
+Noise floor: fp32 on this CPU is deterministic; two reference runs of the same config give
+bit-identical losses and weights (``test_reference_is_deterministic``), so the comparisons below
+are exact (``==``), not within a tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mmengine")
+
+# ---- the user's project (shared by both sides: it is what is being trained, not a helper) -----
+TOY_PROJECT = textwrap.dedent(
+    '''
+    import json, os
+    import torch
+    from torch import nn
+    from mmengine.evaluator import BaseMetric
+    from mmengine.hooks import Hook
+    from mmengine.model import BaseModel
+    from mmengine.registry import DATASETS, HOOKS, METRICS, MODELS
+
+
+    @MODELS.register_module(force=True)
+    class ToyNet(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+        def forward(self, inputs, labels, mode="tensor"):
+            logits = self.net(inputs)
+            if mode == "loss":
+                return {"loss": nn.functional.cross_entropy(logits, labels)}
+            if mode == "predict":
+                return list(zip(logits.argmax(-1).tolist(), labels.tolist()))
+            return logits
+
+
+    @DATASETS.register_module(force=True)
+    class ToyData(torch.utils.data.Dataset):
+        def __init__(self, n=40, seed=0):
+            g = torch.Generator().manual_seed(seed)
+            self.x = torch.randn(n, 16, generator=g)
+            self.y = (self.x @ torch.randn(16, 4, generator=g)).argmax(-1)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return dict(inputs=self.x[i], labels=self.y[i])
+
+
+    @METRICS.register_module(force=True)
+    class ToyAccuracy(BaseMetric):
+        def process(self, data_batch, data_samples):
+            self.results.extend(float(p == t) for p, t in data_samples)
+
+        def compute_metrics(self, results):
+            return dict(acc=sum(results) / len(results))
+
+
+    @HOOKS.register_module(force=True)
+    class RecordHook(Hook):
+        """Records losses, lr, grad norm, val metrics and final weights; can stop early."""
+
+        priority = "LOWEST"
+
+        def __init__(self, out, stop_after_epoch=None):
+            self.out, self.stop_after_epoch = out, stop_after_epoch
+            self.rec = dict(loss=[], lr=[], grad_norm=[], val=[], iters=[])
+
+        def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+            self.rec["loss"].append(float(outputs["loss"].detach()))
+            self.rec["iters"].append(runner.iter)
+            self.rec["lr"].append(runner.optim_wrapper.param_groups[0]["lr"])
+            norm = runner.message_hub.log_scalars.get("train/grad_norm")
+            self.rec["grad_norm"].append(None if norm is None else float(norm.current()))
+
+        def after_val_epoch(self, runner, metrics=None):
+            self.rec["val"].append(dict(metrics or {}))
+
+        def after_train_epoch(self, runner):
+            if self.stop_after_epoch and runner.epoch + 1 >= self.stop_after_epoch:
+                runner.train_loop.stop_training = True
+
+        def after_run(self, runner):
+            model = runner.model.module if hasattr(runner.model, "module") else runner.model
+            self.rec["params"] = [v for p in model.parameters() for v in p.detach().flatten().tolist()]
+            self.rec["epoch"], self.rec["iter"] = runner.epoch, runner.iter
+            rank = int(os.environ.get("RANK", 0))
+            with open(f"{self.out}.rank{rank}.json", "w") as f:
+                json.dump(self.rec, f)
+
+
+    def toy_cfg(work_dir, record, *, acc=1, clip=None, epochs=2, stop_after_epoch=None,
+                resume=False, load_from=None, keep=-1, launcher="none", name="toy"):
+        optim_wrapper = dict(
+            optimizer=dict(type="SGD", lr=0.1, momentum=0.9, weight_decay=1e-3),
+            accumulative_counts=acc)
+        if clip is not None:
+            optim_wrapper["clip_grad"] = dict(max_norm=clip)
+        loader = dict(batch_size=4, collate_fn=dict(type="default_collate"), num_workers=0)
+        return dict(
+            model=dict(type="ToyNet"),
+            work_dir=work_dir,
+            experiment_name=name,
+            train_dataloader=dict(dataset=dict(type="ToyData", n=40),
+                                  sampler=dict(type="DefaultSampler", shuffle=True), **loader),
+            val_dataloader=dict(dataset=dict(type="ToyData", n=12, seed=1),
+                                sampler=dict(type="DefaultSampler", shuffle=False), **loader),
+            val_evaluator=dict(type="ToyAccuracy"),
+            val_cfg=dict(),
+            train_cfg=dict(by_epoch=True, max_epochs=epochs, val_interval=1),
+            optim_wrapper=optim_wrapper,
+            param_scheduler=[
+                dict(type="LinearLR", start_factor=0.5, by_epoch=False, begin=0, end=5),
+                dict(type="MultiStepLR", by_epoch=True, milestones=[1], gamma=0.5),
+            ],
+            default_hooks=dict(
+                checkpoint=dict(type="CheckpointHook", interval=1, max_keep_ckpts=keep),
+                logger=dict(type="LoggerHook", interval=5)),
+            custom_hooks=[dict(type="RecordHook", out=record, stop_after_epoch=stop_after_epoch)],
+            randomness=dict(seed=7),
+            resume=resume,
+            load_from=load_from,
+            launcher=launcher,
+            env_cfg=dict(dist_cfg=dict(backend="gloo")),
+            log_level="WARNING",
+        )
+    '''
+)
+
+# ---- the reference: MMEngine's own Runner, nothing from accelkit ----------------------------------
+REFERENCE_DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    from mm_toy import toy_cfg
+    from mmengine.runner import Runner
+
+    for spec in json.loads(sys.argv[1]):
+        cfg = toy_cfg(spec["work_dir"], spec["record"], name=spec["name"], **spec["kw"])
+        if cfg["launcher"] != "none":
+            # MMEngine's init_dist calls torch.cuda.set_device even on a CPU-only torch
+            # (mmengine/dist/utils.py:130): join gloo first, and give DDP no device_ids.
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+            cfg["model_wrapper_cfg"] = dict(
+                type="MMDistributedDataParallel", broadcast_buffers=False, device_ids=None)
+        Runner.from_cfg(cfg).train()
+    """
+)
+
+# ---- the accelkit side: the same project, one config change -------------------------------------
+ACCELKIT_DRIVER = textwrap.dedent(
+    """
+    import json, sys, traceback
+    from mm_toy import toy_cfg
+    import accelkit.integrations.mmengine  # registers AccelkitRunner and AccelkitStrategy
+    from mmengine.registry import RUNNERS
+    from mmengine.runner import FlexibleRunner
+
+    for spec in json.loads(sys.argv[1]):
+        cfg = toy_cfg(spec["work_dir"], spec["record"], name=spec["name"], **spec["kw"])
+        try:
+            if spec["runner"] == "flexible":
+                cfg["strategy"] = dict(type="AccelkitStrategy", **spec["accelkit"])
+                cfg["default_hooks"]["checkpoint"]["type"] = "AccelkitCheckpointHook"
+                FlexibleRunner.from_cfg(cfg).train()
+            else:
+                cfg.update(runner_type="AccelkitRunner", accelkit=spec["accelkit"])
+                RUNNERS.build(cfg).train()
+        except Exception as err:
+            if not spec.get("expect_error"):
+                raise
+            with open(spec["record"] + ".error.json", "w") as f:
+                json.dump(dict(type=type(err).__name__, message=str(err)), f)
+    """
+)
+
+
+def _write_project(root: Path) -> None:
+    (root / "mm_toy.py").write_text(TOY_PROJECT)
+    (root / "reference_driver.py").write_text(REFERENCE_DRIVER)
+    (root / "accelkit_driver.py").write_text(ACCELKIT_DRIVER)
+
+
+def _run(root: Path, driver: str, specs: list[dict], *, nproc: int = 1, env: dict | None = None):
+    for spec in specs:
+        spec.setdefault("kw", {})
+        spec.setdefault("accelkit", {})
+        spec["work_dir"] = str(root / spec["work_dir"])
+        spec["record"] = str(root / spec["name"])
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), **(env or {})}
+    cmd = [sys.executable, str(root / driver), json.dumps(specs)]
+    if nproc > 1:
+        from accelkit.distributed import free_port
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            *cmd[1:],
+        ]
+    proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"{driver} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _record(root: Path, name: str, rank: int = 0) -> dict:
+    return json.loads((root / f"{name}.rank{rank}.json").read_text())
+
+
+# Accumulation over 3 with 10 iterations per epoch and 2 epochs: windows straddle the epoch
+# boundary and the last window of the run holds 2 micro-batches (MMEngine divides its loss by 2).
+PARTIAL = dict(acc=3, clip=0.5, epochs=2)
+# Accumulation over 2: windows align with epochs, so a resume after epoch 1 is uninterrupted.
+ALIGNED = dict(acc=2, epochs=3)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every single-process run, reference and accelkit, each side in one process."""
+    root = tmp_path_factory.mktemp("mmengine")
+    _write_project(root)
+    reference = [
+        dict(name="ref_partial", work_dir="ref_partial", kw=PARTIAL),
+        dict(name="ref_partial_again", work_dir="ref_partial_again", kw=PARTIAL),
+        dict(name="ref_aligned", work_dir="ref_aligned", kw=ALIGNED),
+        # stopped after epoch 1 (mid-window), then MMEngine's own resume
+        dict(name="ref_stop", work_dir="ref_resume", kw=dict(PARTIAL, stop_after_epoch=1)),
+        dict(name="ref_resumed", work_dir="ref_resume", kw=dict(PARTIAL, resume=True)),
+    ]
+    # MMEngine's own resume needs this on torch >= 2.6 (mmengine/runner/checkpoint.py:347);
+    # it is set for the reference process only, never for accelkit's.
+    _run(root, "reference_driver.py", reference, env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    mmengine_pth = str(root / "ref_resume" / "epoch_1.pth")
+    cpu = dict(backend="cpu")
+    accelkit = [
+        dict(name="ak_partial", work_dir="ak_partial", runner="runner", accelkit=cpu, kw=PARTIAL),
+        dict(name="ak_flex", work_dir="ak_flex", runner="flexible", accelkit=cpu, kw=PARTIAL),
+        dict(name="ak_aligned", work_dir="ak_aligned", runner="runner", accelkit=cpu, kw=ALIGNED),
+        dict(
+            name="ak_stop",
+            work_dir="ak_resume",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(ALIGNED, stop_after_epoch=1, keep=1),
+        ),
+        dict(
+            name="ak_resumed",
+            work_dir="ak_resume",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(ALIGNED, resume=True, keep=1),
+        ),
+        dict(
+            name="ak_stop_mid",
+            work_dir="ak_resume_mid",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(PARTIAL, stop_after_epoch=1),
+        ),
+        dict(
+            name="ak_resumed_mid",
+            work_dir="ak_resume_mid",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(PARTIAL, resume=True),
+        ),
+        dict(
+            name="flex_stop_mid",
+            work_dir="flex_resume_mid",
+            runner="flexible",
+            accelkit=cpu,
+            kw=dict(PARTIAL, stop_after_epoch=1),
+        ),
+        dict(
+            name="flex_resumed_mid",
+            work_dir="flex_resume_mid",
+            runner="flexible",
+            accelkit=cpu,
+            kw=dict(PARTIAL, resume=True),
+        ),
+        # MMEngine's pickled .pth: refused without trust_pickle, resumed with it
+        dict(
+            name="ak_untrusted",
+            work_dir="ak_untrusted",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(PARTIAL, resume=True, load_from=mmengine_pth),
+            expect_error=True,
+        ),
+        dict(
+            name="ak_from_mmengine",
+            work_dir="ak_from_mmengine",
+            runner="runner",
+            accelkit=dict(cpu, trust_pickle=True),
+            kw=dict(PARTIAL, resume=True, load_from=mmengine_pth),
+        ),
+        dict(
+            name="flex_from_mmengine",
+            work_dir="flex_from_mmengine",
+            runner="flexible",
+            accelkit=dict(cpu, trust_pickle=True),
+            kw=dict(PARTIAL, resume=True, load_from=mmengine_pth),
+        ),
+    ]
+    _run(root, "accelkit_driver.py", accelkit)
+    return root
+
+
+def _same_run(a: dict, b: dict) -> None:
+    for key in ("loss", "lr", "grad_norm", "val", "iters", "params"):
+        assert a[key] == b[key], f"{key} differs"
+
+
+def test_reference_is_deterministic(runs: Path) -> None:
+    """The noise floor: MMEngine's own Runner twice, bit-identical."""
+    _same_run(_record(runs, "ref_partial"), _record(runs, "ref_partial_again"))
+
+
+def test_config_exercises_accumulation_and_clipping(runs: Path) -> None:
+    """Preconditions, so that the comparisons below can fail."""
+    ref = _record(runs, "ref_partial")
+    assert len(ref["loss"]) % PARTIAL["acc"] != 0  # a partial last window
+    norms = [n for n in ref["grad_norm"] if n is not None]
+    assert max(norms) > PARTIAL["clip"]  # clipping is active
+    assert len(set(ref["lr"])) > 3  # the per-iteration and per-epoch schedulers move the lr
+    assert ref["params"] != _record(runs, "ref_aligned")["params"]
+
+
+@pytest.mark.parametrize("name", ["ak_partial", "ak_flex"])
+def test_same_losses_as_mmengine(runs: Path, name: str) -> None:
+    """Runner and FlexibleRunner on accelkit's cpu backend reproduce MMEngine bit for bit:
+    accumulation with a partial last window, clip_grad, schedulers, validation."""
+    _same_run(_record(runs, name), _record(runs, "ref_partial"))
+
+
+def test_aligned_accumulation_same_as_mmengine(runs: Path) -> None:
+    _same_run(_record(runs, "ak_aligned"), _record(runs, "ref_aligned"))
+
+
+def test_resume_continues_the_same_trajectory(runs: Path) -> None:
+    full, first, second = (_record(runs, n) for n in ("ak_aligned", "ak_stop", "ak_resumed"))
+    assert first["iter"] == 10 and first["iters"] + second["iters"] == full["iters"]
+    assert first["loss"] + second["loss"] == full["loss"]
+    assert first["lr"] + second["lr"] == full["lr"]
+    assert second["params"] == full["params"]
+
+
+@pytest.mark.parametrize("prefix", ["ak", "flex"])
+def test_resume_mid_window_follows_mmengine(runs: Path, prefix: str) -> None:
+    """Resumed at iteration 10 with windows of 3: MMEngine keeps its global window count (the
+    first resumed window is short); accelkit follows it exactly."""
+    ref = _record(runs, "ref_resumed")
+    ours = _record(runs, f"{prefix}_resumed_mid")
+    _same_run(ours, ref)
+    assert ours["params"] != _record(runs, "ref_partial")["params"]  # the lost micro-batch shows
+
+
+def test_checkpoint_hook_writes_portable_checkpoints(runs: Path) -> None:
+    work = runs / "ak_resume"
+    # max_keep_ckpts=1: only the last one is left, and it was removed only after epoch_3 existed
+    names = sorted(p.name for p in work.glob("epoch_*"))
+    assert names == ["epoch_3.pth"]
+    ckpt = work / "epoch_3.pth"
+    assert (ckpt / "accelkit.json").is_file() and (ckpt / "rank-00000.safetensors").is_file()
+    assert (work / "last_checkpoint").read_text().strip() == str(ckpt)
+    manifest = json.loads((ckpt / "accelkit.json").read_text())
+    assert manifest["step"] == 30 and set(manifest["objects"]) >= {"model", "optimizer"}
+    # nothing in it is a pickle
+    for path in ckpt.iterdir():
+        assert not path.read_bytes().startswith(b"\x80"), path
+
+
+def test_pickled_checkpoint_needs_trust(runs: Path) -> None:
+    err = json.loads((runs / "ak_untrusted.error.json").read_text())
+    assert err["type"] == "CheckpointError"
+    assert "trust_pickle=True" in err["message"] and "HistoryBuffer" in err["message"]
+    assert not (runs / "ak_untrusted.rank0.json").exists()
+
+
+@pytest.mark.parametrize("prefix", ["ak", "flex"])
+def test_resume_from_mmengine_pth(runs: Path, prefix: str) -> None:
+    """MMEngine's own epoch_1.pth (pickled, trusted) resumes under accelkit as MMEngine would."""
+    _same_run(_record(runs, f"{prefix}_from_mmengine"), _record(runs, "ref_resumed"))
+
+
+# ---- negative twins of the checkpoint tests ---------------------------------------------------
+@pytest.fixture(scope="module")
+def broken_runs(runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Resume attempts from damaged copies of ak_resume's checkpoint, in one process."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("mmengine_broken")
+    _write_project(root)
+    for name in ("flipped", "no_manifest"):
+        shutil.copytree(runs / "ak_resume", root / name)
+        ckpt = root / name / "epoch_3.pth"
+        (root / name / "last_checkpoint").write_text(str(ckpt))
+    shard = root / "flipped" / "epoch_3.pth" / "rank-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor's data
+    shard.write_bytes(bytes(data))
+    (root / "no_manifest" / "epoch_3.pth" / "accelkit.json").unlink()
+    specs = [
+        dict(
+            name=name,
+            work_dir=name,
+            runner="runner",
+            accelkit=dict(backend="cpu"),
+            kw=dict(ALIGNED, resume=True),
+            expect_error=True,
+        )
+        for name in ("flipped", "no_manifest")
+    ]
+    _run(root, "accelkit_driver.py", specs)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("name", "named"), [("flipped", "rank-00000.safetensors"), ("no_manifest", "accelkit.json")]
+)
+def test_resume_from_damaged_checkpoint_fails(broken_runs: Path, name: str, named: str) -> None:
+    """Negative twins of the resume test: a flipped bit, a missing manifest."""
+    err = json.loads((broken_runs / f"{name}.error.json").read_text())
+    assert err["type"] == "CheckpointError", err
+    assert named in err["message"]
+    assert not (broken_runs / f"{name}.rank0.json").exists()
+
+
+# ---- two processes ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ddp_two_processes_match_mmengine_ddp(tmp_path: Path) -> None:
+    """AccelkitRunner on accelkit's ddp (2 gloo processes) against MMEngine's own DDP Runner."""
+    _write_project(tmp_path)
+    kw = dict(PARTIAL, launcher="pytorch")
+    _run(tmp_path, "reference_driver.py", [dict(name="ref", work_dir="ref", kw=kw)], nproc=2)
+    spec = dict(name="ak", work_dir="ak", runner="runner", accelkit=dict(backend="ddp"), kw=kw)
+    _run(tmp_path, "accelkit_driver.py", [spec], nproc=2)
+    for rank in (0, 1):
+        _same_run(_record(tmp_path, "ak", rank), _record(tmp_path, "ref", rank))
+    assert _record(tmp_path, "ak", 0)["loss"] != _record(tmp_path, "ak", 1)["loss"]
+    assert (tmp_path / "ak" / "epoch_2.pth" / "rank-00001.safetensors").is_file()
