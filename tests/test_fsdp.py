@@ -78,14 +78,13 @@ def schedule(step: int) -> float:
 
 
 # ---- reference 1: raw single process ---------------------------------------------------------
-def raw_single_process() -> dict[str, Any]:
-    """Both ranks' data in one process; imports nothing from accelkit."""
+def raw_single_process(world: int = 2) -> dict[str, Any]:
+    """All ranks' data in one process; imports nothing from accelkit."""
     torch.manual_seed(SEED)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     data = dataset()
-    world = 2
     per_rank = [list(range(SAMPLES))[r::world] for r in range(world)]
     batches = [
         [rank_indices[i : i + BATCH] for rank_indices in per_rank]
@@ -445,6 +444,7 @@ def behaviour_worker() -> dict[str, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.bias = torch.nn.Parameter(torch.zeros(WIDTH))
+            self.register_buffer("mask", torch.ones(WIDTH, dtype=torch.bool), persistent=False)
 
         def reset_parameters(self) -> None:
             torch.nn.init.ones_(self.gain)
@@ -518,6 +518,10 @@ def behaviour_worker() -> dict[str, Any]:
     out["norm_vs_full_grads"] = abs(
         float(norm) - float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full_grads])))
     ) / float(norm)
+    grads = [p.grad for p in model.parameters()]
+    out["offload_norm_path"] = abs(
+        float(accel.backend._sharded_norm(grads, via_dtensor=False)) - float(norm)
+    ) / float(norm)
     clipped = accel.clip_grad_norm(0.01)
     out["clip_returns_norm_before"] = float(clipped) == float(norm)
     after = torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm()
@@ -590,6 +594,7 @@ def test_refuses_meta_modules_it_cannot_initialise(behaviour):
         assert "empty_init=False" in message
         message = result["forgetful_reset"]
         assert message.startswith("ConfigError:") and "1.bias" in message
+        assert "1.mask" in message  # a bool buffer: caught by its version counter, not NaN
         assert "1.gain" not in message
 
 
@@ -621,6 +626,7 @@ def test_grad_norm_is_a_plain_tensor_equal_on_all_ranks(behaviour):
         assert result["norm_type"] == "Tensor" and result["norm_dim"] == 0
         assert result["norm_equal_on_ranks"]
         assert result["norm_vs_full_grads"] < 1e-6
+        assert result["offload_norm_path"] < 1e-6  # the path for CPU-offloaded shards on CUDA
         assert result["clip_returns_norm_before"]
         assert abs(result["norm_after_manual_clip"] - 0.01) < 1e-6
 
@@ -674,6 +680,19 @@ def test_compile_per_block_with_activation_checkpointing(precision_results):
         assert got["lrs_equal"]
         for key in ("loss", "norm", "weights"):
             assert got[key] <= FP32_RTOL, (rank, key, got[key])
+
+
+def test_one_process_without_a_launcher():
+    """World size 1 in this very process (a group of one, as in a notebook or the 1-GPU bench):
+    13 micro-batches per epoch, windows 3, 3, 3, 3, 1."""
+    import torch.distributed as dist
+
+    run = accelkit_run(meta=True)
+    assert dist.get_world_size() == 1
+    got = compare(run, raw_single_process(world=1), 0)
+    assert got["lrs_equal"] and len(run["norms"]) == 2 * 5
+    for key in ("loss", "norm", "weights"):
+        assert got[key] <= FP32_RTOL, (key, got[key])
 
 
 def test_options_are_validated():

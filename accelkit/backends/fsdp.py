@@ -250,7 +250,9 @@ class _Materializer:
         self.tied_later = {(id(m), n) for g in self.ties for m, n in g[1:]}
         self.visited: set[int] = set()
         self.pending = list(range(len(self.ties)))
-        self.untouched: list[tuple[str, torch.Tensor]] = []
+        #: tensors reset_parameters() did not write, and NaN flags of those it wrote
+        self.unwritten: list[str] = []
+        self.nan_flags: list[tuple[str, torch.Tensor]] = []
 
     def check(self, model: torch.nn.Module) -> None:
         """Fail before touching anything if a module could not be initialised."""
@@ -298,10 +300,15 @@ class _Materializer:
             for _, t in _own_tensors(module):
                 if t.is_floating_point() or t.is_complex():
                     t.fill_(math.nan)
+            handed = {name: (t, t._version) for name, t in _own_tensors(module)}
             module.reset_parameters()
+        prefix = self.names[id(module)]
         for name, t in _own_tensors(module):
-            if t.is_floating_point() or t.is_complex():
-                self.untouched.append((f"{self.names[id(module)]}.{name}", t.isnan().any()))
+            tensor, version = handed.get(name, (None, None))
+            if tensor is t and t._version == version:  # neither written nor replaced
+                self.unwritten.append(f"{prefix}.{name}")
+            elif t.is_floating_point() or t.is_complex():
+                self.nan_flags.append((f"{prefix}.{name}", t.isnan().any()))
 
     def retie(self) -> None:
         """Point every alias at its first owner once all of a group's modules are visited."""
@@ -319,12 +326,13 @@ class _Materializer:
         self.pending = still
 
     def verify(self) -> None:
-        """``reset_parameters`` must have written every tensor it was handed (NaN-filled)."""
-        if not self.untouched:
-            return
-        flags = torch.stack([flag for _, flag in self.untouched]).cpu()
-        bad = [name for (name, _), flag in zip(self.untouched, flags.tolist()) if flag]
-        self.untouched = []
+        """``reset_parameters`` must have written every tensor it was handed (floating-point
+        ones were NaN-filled, so a write that reads them shows too)."""
+        bad = list(self.unwritten)
+        if self.nan_flags:
+            flags = torch.stack([flag for _, flag in self.nan_flags]).cpu().tolist()
+            bad += [name for (name, _), flag in zip(self.nan_flags, flags) if flag]
+        self.unwritten, self.nan_flags = [], []
         if bad:
             raise ConfigError(
                 "fsdp: after materialising the meta-built model, reset_parameters() left these "
@@ -563,16 +571,38 @@ class FSDPBackend(Backend):
         local = [p.grad for p in params if not isinstance(p.grad, DTensor)]
         parts = []
         if sharded:
-            norm = torch.nn.utils.get_total_norm(sharded)
-            parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            parts.append(self._sharded_norm(sharded))
         if local:
-            parts.append(
-                torch.nn.utils.get_total_norm(local).to(parts[0].device if parts else None)
-            )
-        total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+            parts.append(torch.nn.utils.get_total_norm(local).to(self.device))
+        total = parts[0] if len(parts) == 1 else torch.stack([p.float() for p in parts]).norm()
         if max_norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def _sharded_norm(self, grads: list[Any], via_dtensor: bool | None = None) -> torch.Tensor:
+        """2-norm of DTensor gradients, as a plain tensor on this rank's device.
+
+        Where the shards live on the mesh's device, DTensor reduces the norm itself (what a raw
+        FSDP2 loop does). Offloaded shards (CPU gradients on a CUDA mesh) cannot go through the
+        mesh's NCCL group, so each rank's squared norm moves to the device and is summed there.
+        """
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import Shard
+
+        mesh = grads[0].device_mesh
+        if via_dtensor is None:
+            via_dtensor = all(g.to_local().device.type == mesh.device_type for g in grads)
+        if via_dtensor:
+            norm = torch.nn.utils.get_total_norm(grads)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if mesh.ndim != 1 or not all(
+            all(isinstance(pl, Shard) for pl in g.placements) for g in grads
+        ):
+            raise ConfigError("fsdp: offloaded gradients must be sharded on a 1-D mesh")
+        local = torch.nn.utils.get_total_norm([g.to_local() for g in grads])
+        squared = local.to(self.device, torch.float32).square()
+        torch.distributed.all_reduce(squared, group=mesh.get_group())
+        return squared.sqrt().to(local.dtype)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 shards in place: the module is the user's own (its class gains FSDPModule)."""
