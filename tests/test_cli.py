@@ -354,3 +354,28 @@ def test_demo_on_cuda_in_bf16(tmp_path):
         "--no-progress",
     )
     _check_demo(out, tmp_path / "summary.json", 1, "cuda")
+
+
+@pytest.mark.skipif(not checkpoint_available(), reason="accelkit.checkpoint not built yet")
+def test_demo_resume_check_matches_after_load_and_differs_without(tmp_path):
+    """The demo's resume comparison, in process: it says "matches" only when the load happened."""
+    import argparse
+
+    from accelkit.cli import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser)
+    args = parser.parse_args(["--steps", "8", "--resume-steps", "4", "--out", str(tmp_path)])
+    total = args.steps + args.resume_steps
+    dataset = demo.make_dataset(args.seed)
+    first = demo.build(args, dataset, total, init_seed=args.seed)
+    ckpt = tmp_path / "ckpt"
+
+    def save_at(step):
+        if step == args.steps:
+            first.accel.save(ckpt, first.state())
+
+    demo.train(first, total, None, on_step=save_at)
+    assert demo._resume(args, dataset, total, ckpt, first, show=False)[0] == "matches"
+    verdict, diff = demo._resume(args, dataset, total, ckpt, first, show=False, load=False)
+    assert verdict == "differs" and diff > 1e-3, diff
