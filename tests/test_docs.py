@@ -1,0 +1,273 @@
+"""Every ```python block of docs/**/*.md runs, each in a fresh interpreter, CPU only.
+
+Marker convention (an HTML comment on the last non-blank line before the opening fence; it does
+not show when the page is rendered)::
+
+    <!-- doc-test: skip -->                 not run (a fragment, or needs what CI lacks)
+    <!-- doc-test: requires=cuda,deepspeed --> run only if CUDA / these modules are present
+    <!-- doc-test: nproc=2 -->              run on 2 processes with torch.distributed.run (gloo)
+    <!-- doc-test: timeout=300 -->          seconds before the block counts as hung (default 180)
+
+Options combine (``<!-- doc-test: nproc=2 timeout=300 -->``); ``<!-- skip-test -->`` is accepted
+as a synonym of ``skip``. Each block is self-contained: it runs in a new temporary directory with
+no state from the blocks before it. A failure names the file and the line of the block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+DEFAULT_TIMEOUT_S = 180
+PYTHON_INFO = {"python", "py", "python3"}
+MARKER = re.compile(r"^<!--\s*(doc-test:(?P<opts>.*?)|(?P<skip>skip-test))\s*-->$")
+FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+
+
+@dataclasses.dataclass
+class DocBlock:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip: bool = False
+    requires: tuple[str, ...] = ()
+    nproc: int = 1
+    timeout: int = DEFAULT_TIMEOUT_S
+
+    @property
+    def where(self) -> str:
+        return f"{_display(self.path)}:{self.line}"
+
+
+def _display(path: Path) -> str:
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def parse_marker(text: str, where: str) -> dict:
+    """Options of a marker line, or {} when the line is no marker."""
+    match = MARKER.match(text.strip())
+    if not match:
+        return {}
+    if match.group("skip"):
+        return {"skip": True}
+    options: dict = {}
+    for token in match.group("opts").split():
+        key, _, value = token.partition("=")
+        if key == "skip" and not value:
+            options["skip"] = True
+        elif key == "requires" and value:
+            options["requires"] = tuple(v for v in value.split(",") if v)
+        elif key in ("nproc", "timeout") and value.isdigit():
+            options[key] = int(value)
+        else:
+            raise ValueError(f"{where}: unknown doc-test option {token!r}")
+    return options
+
+
+def extract_blocks(path: Path) -> list[DocBlock]:
+    """The fenced python blocks of one page, with the options of the marker before each."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[DocBlock] = []
+    previous = ""  # last non-blank line outside a fence
+    i = 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if not match:
+            if lines[i].strip():
+                previous = lines[i]
+            i += 1
+            continue
+        fence, info = match.group("fence"), match.group("info").strip()
+        start = i
+        body: list[str] = []
+        i += 1
+        while i < len(lines):
+            close = FENCE.match(lines[i])
+            if (
+                close
+                and close.group("fence")[0] == fence[0]
+                and len(close.group("fence")) >= len(fence)
+                and not close.group("info").strip()
+            ):
+                break
+            body.append(lines[i])
+            i += 1
+        else:
+            raise ValueError(f"{_display(path)}:{start + 1}: unclosed code fence")
+        i += 1
+        language = info.split()[0].lower() if info else ""
+        if language in PYTHON_INFO:
+            where = f"{_display(path)}:{start + 1}"
+            indent = len(match.group("indent"))
+            code = "\n".join(line[indent:] if line[:indent].isspace() else line for line in body)
+            blocks.append(DocBlock(path, start + 1, code + "\n", **parse_marker(previous, where)))
+        previous = lines[start]
+    return blocks
+
+
+def all_blocks() -> list[DocBlock]:
+    return [b for page in sorted(DOCS.rglob("*.md")) for b in extract_blocks(page)]
+
+
+def _missing(requires: tuple[str, ...]) -> list[str]:
+    missing = []
+    for requirement in requires:
+        if requirement == "cuda":
+            import torch
+
+            if not torch.cuda.is_available() or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+                missing.append("cuda")
+        elif importlib.util.find_spec(requirement) is None:
+            missing.append(requirement)
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
+    script = workdir / f"doc_{block.path.stem}_{block.line}.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "MPLBACKEND": "Agg",
+        "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "default"),
+    }
+    if "cuda" not in block.requires:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if block.nproc > 1:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={block.nproc}",
+            f"--master-port={_free_port()}",
+            str(script),
+        ]
+    else:
+        command = [sys.executable, str(script)]
+    return subprocess.run(
+        command,
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=block.timeout,
+        check=False,
+    )
+
+
+def _params() -> list:
+    params = []
+    for block in all_blocks():
+        marks = []
+        if block.skip:
+            marks.append(pytest.mark.skip(reason="marked doc-test: skip"))
+        if block.nproc > 1:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(block, id=block.where, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("block", _params())
+def test_doc_block_runs(block: DocBlock, tmp_path: Path) -> None:
+    missing = _missing(block.requires)
+    if missing:
+        pytest.skip(f"{block.where} needs {', '.join(missing)}")
+    try:
+        result = run_block(block, tmp_path)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{block.where}: the example did not finish within {err.timeout} s")
+    if result.returncode != 0:
+        tail = (result.stdout[-3000:] + "\n" + result.stderr[-6000:]).strip()
+        pytest.fail(
+            f"{block.where}: the example exited with {result.returncode}.\n"
+            f"(mark it <!-- doc-test: skip --> if it is a fragment)\n{tail}",
+            pytrace=False,
+        )
+
+
+# ---- the runner itself: it must be able to fail ----------------------------------------------
+def test_extractor_reads_fences_markers_and_lines(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# t\n"  # 1
+        "```python\n"  # 2
+        "a = 1\n"  # 3
+        "```\n"  # 4
+        "<!-- doc-test: skip -->\n"  # 5
+        "\n"  # 6
+        "```py\n"  # 7
+        "b = 2\n"  # 8
+        "```\n"  # 9
+        "````text\n"  # 10
+        "<!-- skip-test -->\n"  # 11
+        "```python\n"  # 12: inside a text fence, not a block
+        "````\n"  # 13
+        "<!-- doc-test: nproc=2 timeout=30 requires=cuda,foo -->\n"  # 14
+        "```python title\n"  # 15
+        "c = 3\n"  # 16
+        "```\n"  # 17
+        "```bash\n"  # 18
+        "echo no\n"  # 19
+        "```\n",  # 20
+        encoding="utf-8",
+    )
+    blocks = extract_blocks(page)
+    assert [(b.line, b.code, b.skip) for b in blocks] == [
+        (2, "a = 1\n", False),
+        (7, "b = 2\n", True),
+        (15, "c = 3\n", False),
+    ]
+    assert (blocks[2].nproc, blocks[2].timeout, blocks[2].requires) == (2, 30, ("cuda", "foo"))
+    with pytest.raises(ValueError, match="unknown doc-test option"):
+        parse_marker("<!-- doc-test: nprocs=2 -->", "x.md:1")
+
+
+def test_a_failing_block_fails_and_names_its_line(tmp_path: Path) -> None:
+    block = DocBlock(DOCS / "example.md", 42, "raise SystemExit('boom')\n", timeout=60)
+    result = run_block(block, tmp_path)
+    assert result.returncode != 0 and "boom" in result.stderr
+    assert block.where == "docs/example.md:42"
+
+
+def test_the_docs_have_examples_and_the_plugin_example_is_run() -> None:
+    blocks = all_blocks()
+    pages = {b.path.relative_to(DOCS).as_posix() for b in blocks if not b.skip}
+    assert {"getting-started.md", "semantics.md", "plugins.md"} <= pages
+    plugin_blocks = [b for b in blocks if b.path.name == "plugins.md" and not b.skip]
+    assert any("register_plugin(" in b.code and "accelkit.get(" in b.code for b in plugin_blocks)
+
+
+def test_native_dtype_table_in_semantics_matches_the_code() -> None:
+    """The precision table of semantics.md is NATIVE_DTYPES, row by row."""
+    from accelkit.precision import NATIVE_DTYPES
+
+    text = (DOCS / "semantics.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in NATIVE_DTYPES:
+            rows[cells[0]] = tuple(cells[1:])
+    expected = {k: (v.param, v.compute, v.master, v.reduce) for k, v in NATIVE_DTYPES.items()}
+    assert rows == expected
