@@ -80,6 +80,7 @@ def build_raw(args: argparse.Namespace, device: torch.device, compile: bool) -> 
     """Raw FSDP2 by hand: build on the device, shard each block then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
 
     with device:
         model = GPT(args.vocab, args.width, args.layers, args.heads, args.seq)
@@ -96,6 +97,11 @@ def build_raw(args: argparse.Namespace, device: torch.device, compile: bool) -> 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = model(x, y)
         loss.backward()
+        if args.clip is not None:
+            params = [p for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            torch.nn.utils.clip_grads_with_norm_(params, args.clip, norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -107,7 +113,9 @@ def build_accelkit(args: argparse.Namespace, device: torch.device, compile: bool
     """The user's side: accelkit.get("fsdp"), meta init, setup(compile=...)."""
     import accelkit
 
-    accel = accelkit.get("fsdp", device=device.type, precision="bf16-mixed")
+    accel = accelkit.get(
+        "fsdp", device=device.type, precision="bf16-mixed", max_grad_norm=args.clip
+    )
     with accel.init_module(empty_init=args.meta_init):
         model = GPT(args.vocab, args.width, args.layers, args.heads, args.seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused)
@@ -244,6 +252,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--fused", action="store_true", help="fused AdamW on both sides")
+    p.add_argument("--clip", type=float, default=None, help="clip the grad norm on both sides")
     p.add_argument(
         "--no-meta-init",
         dest="meta_init",

@@ -463,10 +463,11 @@ class FSDPBackend(Backend):
         )
         shard_kwargs: dict[str, Any] = dict(
             mesh=init_device_mesh(self.device.type, (self.world_size,)),
-            reshard_after_forward=o.reshard_after_forward,
             mp_policy=self.precision.mp_policy(),
             offload_policy=offload,
         )
+        if o.reshard_after_forward is not None:  # else FSDP2's own default
+            shard_kwargs["reshard_after_forward"] = o.reshard_after_forward
         unit_ids = {id(b) for b in blocks}
         seen: set[int] = set()
         # The optimizer must not keep the unsharded tensors alive while we shard.
@@ -488,13 +489,13 @@ class FSDPBackend(Backend):
 
         visit(model)
         fully_shard(model, **shard_kwargs)
-        materializer.verify()
         self._meta_versions.clear()
 
         sharded = dict(model.named_parameters())
         for optimizer, groups in zip(optimizers, slots):
             for group, names in zip(optimizer.param_groups, groups):
                 group["params"] = [sharded[n] for n in names]
+        materializer.verify()
 
         if compile:
             options = compile if isinstance(compile, dict) else None
