@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# accelkit's GPU tests and benchmarks, in one call on a CUDA machine whose image already has torch.
+# Packages the image lacks (deepspeed and its pure-Python needs) travel as wheels in .whl/.
+#
+#   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint]
+#
+# Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
+set -u
+OUTDIR=${1:?usage: gpu_suite.sh OUTDIR parts...}; shift
+mkdir -p "$OUTDIR"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+SITE=/tmp/accelkit-site
+if [ ! -d "$SITE/accelkit" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . plugins/*/
+fi
+export PYTHONPATH=$SITE
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, accelkit; print("torch", torch.__version__, "cuda", torch.version.cuda, "accelkit", accelkit.__version__)'
+} 2>&1 | tee "$OUTDIR/env.txt"
+
+part() { echo "== $1 ($(date -u +%H:%M:%S))"; }
+for p in "$@"; do
+  case "$p" in
+    tests)
+      part tests
+      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests plugins 2>&1 | tail -40 | tee "$OUTDIR/gpu-tests.log" ;;
+    overhead)
+      part overhead
+      python3 bench/overhead.py --device cuda --model mlp --repeats 7 --out "$OUTDIR/overhead-mlp.json" 2>&1 | tail -15 | tee "$OUTDIR/overhead.log"
+      python3 bench/overhead.py --device cuda --model gpt --repeats 5 --out "$OUTDIR/overhead-gpt.json" 2>&1 | tail -15 | tee -a "$OUTDIR/overhead.log" ;;
+    fsdp)
+      part fsdp
+      python3 bench/fsdp_gpt.py --steps 20 --repeats 5 --out "$OUTDIR/fsdp.json" 2>&1 | tail -20 | tee "$OUTDIR/fsdp.log" ;;
+    deepspeed)
+      part deepspeed
+      python3 bench/deepspeed_gpt.py --out "$OUTDIR/deepspeed.json" 2>&1 | tail -30 | tee "$OUTDIR/deepspeed.log" ;;
+    checkpoint)
+      part checkpoint
+      python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
+    *) echo "unknown part $p" ;;
+  esac
+done
