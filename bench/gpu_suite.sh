@@ -14,7 +14,11 @@ if [ ! -d "$SITE/accelkit" ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
   fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . plugins/*/
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" .
+  for plugin in plugins/*/; do
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" "$plugin" \
+      || echo "plugin $plugin did not install"
+  done
 fi
 export PYTHONPATH=$SITE
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
