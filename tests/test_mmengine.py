@@ -79,8 +79,8 @@ TOY_PROJECT = textwrap.dedent(
 
         priority = "LOWEST"
 
-        def __init__(self, out, stop_after_epoch=None):
-            self.out, self.stop_after_epoch = out, stop_after_epoch
+        def __init__(self, out, stop_after_epoch=None, export=None):
+            self.out, self.stop_after_epoch, self.export = out, stop_after_epoch, export
             self.rec = dict(loss=[], lr=[], grad_norm=[], val=[], iters=[])
 
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
@@ -98,16 +98,20 @@ TOY_PROJECT = textwrap.dedent(
                 runner.train_loop.stop_training = True
 
         def after_run(self, runner):
-            model = runner.model.module if hasattr(runner.model, "module") else runner.model
-            self.rec["params"] = [v for p in model.parameters() for v in p.detach().flatten().tolist()]
+            # every rank calls state_dict(): a sharded backend gathers the full weights
+            state = {k.removeprefix("module."): v for k, v in runner.model.state_dict().items()}
+            self.rec["params"] = [x for k in sorted(state) for x in state[k].flatten().tolist()]
             self.rec["epoch"], self.rec["iter"] = runner.epoch, runner.iter
+            if self.export:  # a plain state dict, as a user exports weights for deployment
+                torch.save(state, self.export)
             rank = int(os.environ.get("RANK", 0))
             with open(f"{self.out}.rank{rank}.json", "w") as f:
                 json.dump(self.rec, f)
 
 
     def toy_cfg(work_dir, record, *, acc=1, clip=None, epochs=2, stop_after_epoch=None,
-                resume=False, load_from=None, keep=-1, launcher="none", name="toy"):
+                resume=False, load_from=None, keep=-1, launcher="none", export=None, save=True,
+                name="toy"):
         optim_wrapper = dict(
             optimizer=dict(type="SGD", lr=0.1, momentum=0.9, weight_decay=1e-3),
             accumulative_counts=acc)
@@ -131,9 +135,11 @@ TOY_PROJECT = textwrap.dedent(
                 dict(type="MultiStepLR", by_epoch=True, milestones=[1], gamma=0.5),
             ],
             default_hooks=dict(
-                checkpoint=dict(type="CheckpointHook", interval=1, max_keep_ckpts=keep),
+                checkpoint=dict(type="CheckpointHook", interval=1, max_keep_ckpts=keep)
+                if save else None,
                 logger=dict(type="LoggerHook", interval=5)),
-            custom_hooks=[dict(type="RecordHook", out=record, stop_after_epoch=stop_after_epoch)],
+            custom_hooks=[dict(type="RecordHook", out=record, stop_after_epoch=stop_after_epoch,
+                               export=export)],
             randomness=dict(seed=7),
             resume=resume,
             load_from=load_from,
@@ -180,10 +186,11 @@ ACCELKIT_DRIVER = textwrap.dedent(
             if spec["runner"] == "flexible":
                 cfg["strategy"] = dict(type="AccelkitStrategy", **spec["accelkit"])
                 cfg["default_hooks"]["checkpoint"]["type"] = "AccelkitCheckpointHook"
-                FlexibleRunner.from_cfg(cfg).train()
+                runner = FlexibleRunner.from_cfg(cfg)
             else:
                 cfg.update(runner_type="AccelkitRunner", accelkit=spec["accelkit"])
-                RUNNERS.build(cfg).train()
+                runner = RUNNERS.build(cfg)
+            runner.val() if spec.get("mode") == "val" else runner.train()
         except Exception as err:
             if not spec.get("expect_error"):
                 raise
@@ -448,15 +455,95 @@ def test_resume_from_damaged_checkpoint_fails(broken_runs: Path, name: str, name
 
 
 # ---- two processes ------------------------------------------------------------------------------
+DISTRIBUTED = dict(PARTIAL, launcher="pytorch")
+# FSDP2 and DeepSpeed ZeRO-2 reduce-scatter gradients and compute the clip norm from shards, so
+# their sums run in another order than DDP's all-reduce. Measured against MMEngine's DDP run
+# (2 gloo ranks, 20 iterations): losses within 2.4e-7, final weights within 1.5e-8, grad norms
+# within 1 fp32 ulp (6e-8). Tolerances: 4x those.
+SHARDED_TOL = dict(loss=1e-6, params=6e-8, grad_norm=3e-7)
+
+
+def _close_run(a: dict, b: dict, tol: dict) -> None:
+    for key in ("lr", "val", "iters"):
+        assert a[key] == b[key], f"{key} differs"
+    for key, limit in tol.items():
+        pairs = [(x, y) for x, y in zip(a[key], b[key]) if x is not None or y is not None]
+        assert len(pairs) == len([x for x in a[key] if x is not None]), f"{key}: None differs"
+        worst = max(abs(x - y) for x, y in pairs)
+        assert worst <= limit, f"{key}: differs by {worst:.3g} > {limit:.3g}"
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MMEngine's own DDP Runner, then AccelkitRunner on ddp and fsdp (2 gloo processes each),
+    then the cpu backend (1 process) evaluating the ddp and fsdp checkpoints."""
+    root = tmp_path_factory.mktemp("mmengine_dist")
+    _write_project(root)
+    _run(root, "reference_driver.py", [dict(name="ref", work_dir="ref", kw=DISTRIBUTED)], nproc=2)
+    specs = [
+        dict(name=name, work_dir=name, runner="runner", accelkit=dict(backend=name), kw=DISTRIBUTED)
+        for name in ("ddp", "fsdp")
+    ]
+    _run(root, "accelkit_driver.py", specs, nproc=2)
+    loads = [
+        dict(
+            name=f"cpu_from_{name}",
+            work_dir=f"cpu_from_{name}",
+            runner="runner",
+            accelkit=dict(backend="cpu"),
+            kw=dict(PARTIAL, load_from=str(root / name / "epoch_2.pth")),
+            mode="val",
+        )
+        for name in ("ddp", "fsdp")
+    ]
+    _run(root, "accelkit_driver.py", loads)
+    return root
+
+
 @pytest.mark.slow
-def test_ddp_two_processes_match_mmengine_ddp(tmp_path: Path) -> None:
-    """AccelkitRunner on accelkit's ddp (2 gloo processes) against MMEngine's own DDP Runner."""
-    _write_project(tmp_path)
-    kw = dict(PARTIAL, launcher="pytorch")
-    _run(tmp_path, "reference_driver.py", [dict(name="ref", work_dir="ref", kw=kw)], nproc=2)
-    spec = dict(name="ak", work_dir="ak", runner="runner", accelkit=dict(backend="ddp"), kw=kw)
-    _run(tmp_path, "accelkit_driver.py", [spec], nproc=2)
+def test_ddp_two_processes_match_mmengine_ddp(two_process_runs: Path) -> None:
+    """accelkit's ddp reproduces MMEngine's DDP Runner bit for bit on each rank (no_sync inside
+    accumulation windows, the partial last window, clipping)."""
+    root = two_process_runs
     for rank in (0, 1):
-        _same_run(_record(tmp_path, "ak", rank), _record(tmp_path, "ref", rank))
-    assert _record(tmp_path, "ak", 0)["loss"] != _record(tmp_path, "ak", 1)["loss"]
-    assert (tmp_path / "ak" / "epoch_2.pth" / "rank-00001.safetensors").is_file()
+        _same_run(_record(root, "ddp", rank), _record(root, "ref", rank))
+    assert _record(root, "ddp", 0)["loss"] != _record(root, "ddp", 1)["loss"]
+    assert (root / "ddp" / "epoch_2.pth" / "rank-00001.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_track_mmengine_ddp(two_process_runs: Path) -> None:
+    root = two_process_runs
+    for rank in (0, 1):
+        _close_run(_record(root, "fsdp", rank), _record(root, "ref", rank), SHARDED_TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_checkpoint_of_two_ranks_loads_on_one_cpu(two_process_runs: Path, name: str) -> None:
+    """load_from a 2-rank ddp/fsdp checkpoint into the cpu backend: the same weights and the same
+    validation accuracy as the run that wrote it."""
+    root = two_process_runs
+    loaded, trained = _record(root, f"cpu_from_{name}"), _record(root, name)
+    assert loaded["params"] == trained["params"]
+    assert loaded["val"] == trained["val"][-1:]
+    assert loaded["loss"] == []
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_processes_track_mmengine_ddp(two_process_runs: Path) -> None:
+    """DeepSpeed ZeRO-2 under AccelkitRunner, whose optimizer MMEngine's Runner cannot host."""
+    pytest.importorskip("accelkit_deepspeed")
+    pytest.importorskip("deepspeed")
+    root = two_process_runs
+    spec = dict(
+        name="ds",
+        work_dir="ds",
+        runner="runner",
+        accelkit=dict(backend="deepspeed", config=dict(zero_stage=2)),
+        # DeepSpeed's portable checkpoint is not written yet (issue 6): no checkpoint hook
+        kw=dict(DISTRIBUTED, save=False),
+    )
+    _run(root, "accelkit_driver.py", [spec], nproc=2)
+    for rank in (0, 1):
+        _close_run(_record(root, "ds", rank), _record(root, "ref", rank), SHARDED_TOL)

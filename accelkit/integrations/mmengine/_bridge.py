@@ -68,12 +68,21 @@ class Bridge:
         return self.accelerator
 
     def model_context(self) -> contextlib.AbstractContextManager:
-        """Where to build the model: in ``init_module()`` only where the backend needs it, so
-        that on torch-native backends the weights are those MMEngine's own Runner would build."""
-        use = self.adapter.init_module
-        if use is None:
-            use = self.accel.capabilities.init_context != "device"
-        return self.accel.init_module() if use else contextlib.nullcontext()
+        """Where to build the model: as MMEngine does, or inside ``accel.init_module()`` when
+        the user asked for it (``init_module=True``)."""
+        return self.accel.init_module() if self.adapter.init_module else contextlib.nullcontext()
+
+    @property
+    def runs_init_weights(self) -> bool:
+        """MMEngine's ``init_weights`` needs materialised weights, which ``init_module`` may not
+        give (meta device, ZeRO-3 partitions): there the backend initialises the weights."""
+        if self.adapter.init_module and self.accel.capabilities.init_context != "device":
+            log.info(
+                "init_weights skipped: the model was built inside accel.init_module() (%s)",
+                self.accel.capabilities.init_context,
+            )
+            return False
+        return True
 
     def setup(
         self, model: torch.nn.Module, optim_wrapper: AccelkitOptimWrapper | None

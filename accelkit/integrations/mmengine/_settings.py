@@ -38,9 +38,10 @@ class AdapterOptions:
     precision: str | None = None
     #: allow loading pickled (foreign, e.g. MMEngine ``.pth``) checkpoints; off by default
     trust_pickle: bool = False
-    #: build the model inside ``accel.init_module()``; None: only where the backend needs it
-    #: (ZeRO-3 partitioning, meta-device init), so that weights match MMEngine's own Runner
-    init_module: bool | None = None
+    #: build the model inside ``accel.init_module()`` (ZeRO-3 partitioned or meta-device init,
+    #: to save memory on large models). Off by default: the model is built as MMEngine builds it,
+    #: so its weights (and MMEngine's ``init_weights``/``init_cfg``) are exactly MMEngine's.
+    init_module: bool = False
     #: keyword arguments for ``accel.setup`` (``compile=...``, ``activation_checkpointing=...``)
     setup_kwargs: dict[str, Any] = field(default_factory=dict)
     #: everything else: backend options handed to ``accelkit.get``

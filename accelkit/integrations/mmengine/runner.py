@@ -92,7 +92,8 @@ class AccelkitRunner(Runner):
         if self._weights_initialised:
             return
         self._weights_initialised = True
-        super()._init_model_weights()
+        if self._bridge.runs_init_weights:
+            super()._init_model_weights()
 
     def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
         if isinstance(self.model, AccelkitModelWrapper):

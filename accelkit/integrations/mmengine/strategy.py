@@ -38,7 +38,7 @@ class AccelkitStrategy(BaseStrategy):
         config: the backend's config (dict, YAML/JSON path, or its native config).
         precision: ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``.
         trust_pickle: allow ``load_from``/``resume`` of pickled ``.pth`` checkpoints.
-        init_module: build the model inside ``accel.init_module()`` (default: where needed).
+        init_module: build the model inside ``accel.init_module()`` (meta device, ZeRO-3 init).
         setup_kwargs: keyword arguments for ``accel.setup`` (``activation_checkpointing=...``).
         **options: backend options, and BaseStrategy's own arguments.
     """
@@ -50,7 +50,7 @@ class AccelkitStrategy(BaseStrategy):
         config: Any = None,
         precision: str | None = None,
         trust_pickle: bool = False,
-        init_module: bool | None = None,
+        init_module: bool = False,
         setup_kwargs: dict | None = None,
         **options: Any,
     ) -> None:
@@ -93,7 +93,8 @@ class AccelkitStrategy(BaseStrategy):
         self._bridge.build_accelerator(settings)
         with self._bridge.model_context():
             model = self.build_model(model)
-        model = self._init_model_weights(model)
+        if self._bridge.runs_init_weights:
+            model = self._init_model_weights(model)
         wrapper = None
         if optim_cfg is not None:
             wrapper = self.optim_wrapper = self.build_optim_wrapper(optim_cfg, model)
