@@ -271,3 +271,29 @@ def test_native_dtype_table_in_semantics_matches_the_code() -> None:
             rows[cells[0]] = tuple(cells[1:])
     expected = {k: (v.param, v.compute, v.master, v.reduce) for k, v in NATIVE_DTYPES.items()}
     assert rows == expected
+
+
+def _first_cells(page: str, header_start: str) -> list[str]:
+    """First cells of the markdown table whose header row starts with ``header_start``."""
+    lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    cells = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells.append(line.strip("|").split("|")[0])
+    return cells
+
+
+def test_plugin_page_documents_every_capability_and_protocol_member() -> None:
+    from accelkit.backend import Backend, Capabilities
+
+    fields = {f.name for f in dataclasses.fields(Capabilities)}
+    documented = {c.strip().strip("`") for c in _first_cells("plugins.md", "| field |")}
+    assert documented == fields
+
+    named = set()
+    for cell in _first_cells("plugins.md", "| member |"):
+        named |= {re.split(r"[(\s]", name)[0] for name in re.findall(r"`([^`]+)`", cell)}
+    public = {name for name in vars(Backend) if not name.startswith("_")} | {"__init__"}
+    assert public - named == set()
