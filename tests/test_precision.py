@@ -219,6 +219,19 @@ def test_unknown_precision_lists_the_valid_ones():
         assert name in message
 
 
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)]
+)
+def test_init_module_builds_true_precision_weights_directly(precision, dtype):
+    accel = accelkit.get("cpu", precision=precision)
+    with accel.init_module():
+        model = Net(FEATURES, 8)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert torch.get_default_dtype() == torch.float32  # restored on exit
+    model = accel.setup(model)
+    assert model(torch.randn(2, FEATURES)).dtype == torch.float32
+
+
 # ---- ddp -------------------------------------------------------------------------------------
 # Against the single-process reference on the global batch, ddp matches in 32-true (1.3e-7,
 # test_reference) but not in low precision: each rank rounds its own half-batch gradient to
