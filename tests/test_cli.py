@@ -379,3 +379,35 @@ def test_demo_resume_check_matches_after_load_and_differs_without(tmp_path):
     assert demo._resume(args, dataset, total, ckpt, first, show=False)[0] == "matches"
     verdict, diff = demo._resume(args, dataset, total, ckpt, first, show=False, load=False)
     assert verdict == "differs" and diff > 1e-3, diff
+
+
+def test_env_names_the_failed_plugin_for_its_known_backends(monkeypatch):
+    """An installed plugin distribution that fails to import: its backends say why."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    from accelkit import registry
+    from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+    from accelkit.cli import env
+
+    dist_name, _ = next(iter(KNOWN_PLUGIN_BACKENDS.values()))
+    names = [n for n, (d, _) in KNOWN_PLUGIN_BACKENDS.items() if d == dist_name]
+    entry_point = metadata.EntryPoint(
+        name="broken", value="accelkit_test_no_such_plugin_module", group="accelkit"
+    )
+    vars(entry_point).update(dist=SimpleNamespace(name=dist_name, version="9.9"))
+    monkeypatch.setattr(registry, "_entry_points", lambda: [entry_point])
+    registry.reset()
+    try:
+        report = env.collect()
+    finally:
+        registry.reset()
+    plugins = {p["name"]: p for p in report["plugins"]}
+    assert plugins["broken"]["status"] == "failed"
+    assert plugins["broken"]["distribution"] == dist_name
+    assert "accelkit_test_no_such_plugin_module" in plugins["broken"]["error"]
+    backends = {b["name"]: b for b in report["backends"]}
+    for name in names:
+        assert backends[name]["status"] == "failed to load", backends[name]
+        assert "accelkit_test_no_such_plugin_module" in backends[name]["reason"]
+    assert backends["cpu"]["status"] == "ready"  # the native backends still load
