@@ -1,0 +1,201 @@
+"""Raw references for the FairScale plugin tests: torch DDP, FairScale OSS + DDP, FairScale
+ShardedDataParallel + OSS and FairScale FSDP, written as their own documentation shows them.
+
+This module imports NOTHING from accelkit (nor from the accelkit-side test workers); its model,
+data and loop are its own. It runs under ``torchrun`` (2 gloo processes) and returns, per run,
+the rank-averaged loss of every micro-batch, the gradient norm of every optimizer step, and the
+final full parameters.
+
+The loop is the one accelkit promises (DESIGN.md): every micro-batch loss is divided by the
+accumulation steps N; the optimizer steps after N micro-batches or at the loader's last batch,
+whichever comes first (so a short last window is still scaled by 1/N); the window's earlier
+micro-batches run under the wrapper's ``no_sync`` (unless ``cfg["no_sync"]`` is False); clipping and the reported norm use the
+wrapper's own clip (``torch.nn.utils.clip_grad_norm_`` for DDP, ``OSS.clip_grad_norm``,
+``FullyShardedDataParallel.clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IN, HIDDEN, OUT, DEPTH = 12, 16, 3, 3
+SAMPLES, BATCH = 28, 2  # 14 samples per rank -> 7 micro-batches per epoch
+SEED, LR = 4321, 0.05
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.linear = torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(self.norm(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.blocks = torch.nn.Sequential(*(Block() for _ in range(DEPTH)))
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, IN, generator=generator)
+    y = torch.randn(SAMPLES, OUT, generator=generator) * 3
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    data = _data()
+    sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+def _init() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def _wrap(mode: str, model: torch.nn.Module, lr: float, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if mode == "ddp":
+        ddp = DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr)
+    if mode == "oss":
+        from fairscale.optim import OSS
+
+        ddp = DistributedDataParallel(model)
+        return ddp, OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=lr)
+    if mode == "sdp":
+        from fairscale.nn.data_parallel import ShardedDataParallel
+        from fairscale.optim import OSS
+
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=lr)
+        sdp = ShardedDataParallel(
+            model, optimizer, reduce_buffer_size=cfg.get("reduce_buffer_size", 0)
+        )
+        return sdp, optimizer
+    if mode == "fsdp":
+        from fairscale.nn import FullyShardedDataParallel
+
+        mixed = cfg.get("fsdp_mixed", False)
+        kwargs = dict(
+            compute_device=torch.device("cpu"),
+            bucket_cap_mb=0,
+            mixed_precision=mixed,
+            compute_dtype=torch.float16 if mixed else None,
+        )
+        for index in range(len(model.blocks)):  # one nested unit per block, then the root
+            model.blocks[index] = FullyShardedDataParallel(model.blocks[index], **kwargs)
+        fsdp = FullyShardedDataParallel(model, **kwargs)
+        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=lr)
+    raise ValueError(mode)
+
+
+def _clip(mode: str, model: Any, optimizer: Any, max_norm: float | None) -> torch.Tensor:
+    limit = math.inf if max_norm is None else max_norm
+    if mode == "ddp":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), limit)
+    if mode in ("oss", "sdp"):
+        return optimizer.clip_grad_norm(limit)
+    return model.clip_grad_norm_(limit)
+
+
+def _full_params(mode: str, model: Any) -> dict[str, list[float]]:
+    # FairScale's FSDP state_dict() gathers the full parameters on every rank
+    state = model.state_dict() if mode == "fsdp" else model.module.state_dict()
+    return {k: v.detach().float().flatten().tolist() for k, v in state.items()}
+
+
+def train(
+    mode: str,
+    *,
+    accumulation: int = 1,
+    max_norm: float | None = None,
+    epochs: int = 1,
+    precision: str = "32-true",
+    cfg: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run on this rank; returns losses (rank-averaged), norms and final parameters."""
+    cfg = cfg or {}
+    _init()
+    if cfg.get("shim"):
+        import fairscale_cpu_shim
+
+        fairscale_cpu_shim.apply()
+    torch.manual_seed(SEED)
+    model = Net()
+    wrapped, optimizer = _wrap(mode, model, LR, cfg)
+    autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    fsdp_casts = mode == "fsdp" and cfg.get("fsdp_mixed", False)
+    scaler = None
+    if precision == "16-mixed":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler("cpu")
+    loader = _loader()
+    losses, norms = [], []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        count = len(loader)
+        micro = 0
+        for index, (x, y) in enumerate(loader):
+            micro += 1
+            closes = micro == accumulation or index == count - 1
+            skip_sync = not closes and cfg.get("no_sync", True)
+            sync = wrapped.no_sync() if skip_sync else contextlib.nullcontext()
+            with sync:
+                if autocast_dtype is not None and not fsdp_casts:
+                    with torch.autocast("cpu", dtype=autocast_dtype):
+                        out = wrapped(x)
+                else:
+                    out = wrapped(x)
+                loss = F.mse_loss(out.float(), y)
+                divisor = accumulation
+                if cfg.get("divide_by_window"):  # a rule accelkit does NOT follow (negative twin)
+                    divisor = min(accumulation, count - (index - micro + 1))
+                scaled = loss / divisor
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / dist.get_world_size())
+            if not closes:
+                continue
+            micro = 0
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            if max_norm is not None or cfg.get("track_norm"):
+                norms.append(float(_clip(mode, wrapped, optimizer, max_norm)))
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            if mode == "sdp" and not cfg.get("optimizer_zero_grad"):
+                wrapped.zero_grad(set_to_none=True)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms, "params": _full_params(mode, wrapped)}
+
+
+def suite(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Several runs in one launch (each rebuilds its model from the same seed)."""
+    results = {}
+    for name, kwargs in runs.items():
+        results[name] = train(**kwargs)
+    results["_rank"] = int(os.environ.get("RANK", "0"))
+    return results
