@@ -411,3 +411,25 @@ def test_env_names_the_failed_plugin_for_its_known_backends(monkeypatch):
         assert backends[name]["status"] == "failed to load", backends[name]
         assert "accelkit_test_no_such_plugin_module" in backends[name]["reason"]
     assert backends["cpu"]["status"] == "ready"  # the native backends still load
+
+
+# ---- the README's quick start and CI ----------------------------------------------------------
+def _quick_start_commands() -> list[str]:
+    import re
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```sh\n(.+?)\n```", section)
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_its_test_command():
+    root = Path(__file__).parents[1]
+    install, test_command = _quick_start_commands()
+    assert "pip install torch==2.13.0" in install and "accelkit demo" in install
+    assert "plugins/" in install  # the plugins are installed too
+    ci = (root / ".ci" / "run").read_text(encoding="utf-8")
+    run_lines = [
+        line.strip() for line in ci.splitlines() if "pytest" in line and "-m pytest" in line
+    ]
+    assert run_lines == [test_command], (run_lines, test_command)
+    assert os.access(root / ".ci" / "run", os.X_OK)
