@@ -1,0 +1,404 @@
+"""The DeepSpeed backend: ZeRO 0-3 with offload, behind accelkit's protocol.
+
+How accelkit's loop maps onto the engine:
+
+* ``accel.backward(loss)`` -> ``engine.backward(loss)``, which divides by
+  ``gradient_accumulation_steps`` itself (``capabilities.scales_loss_for_accumulation``).
+  Just before it, the Accelerator tells the backend whether this micro-batch closes the
+  accumulation window (:meth:`DeepSpeedBackend.before_backward`), and the backend sets the
+  engine's boundary to match (``engine.set_gradient_accumulation_boundary``). DeepSpeed needs to
+  know it *before* backward: ZeRO-0/1 all-reduce and ZeRO offload copy gradients at the
+  boundary's backward. So DeepSpeed's boundary is accelkit's window, the short last window of a
+  loader included, and DeepSpeed's own micro-step counter plays no part.
+* ``accel.step()`` -> at the window's close only, ``engine.step()``: reduce, clip, step, zero.
+* ``grad_norm`` is DeepSpeed's (``engine.get_global_grad_norm()``), computed here where DeepSpeed
+  records none (ZeRO-0 without its bf16/fp16 optimizer), and divided by the GradScaler's scale
+  under 16-mixed, where DeepSpeed reports the scaled norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+
+from accelkit import distributed
+from accelkit.backend import Backend, Capabilities, Settings, SetupResult, StepResult
+from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.modules import apply_activation_checkpointing
+from accelkit.precision import Precision, _cast_floats, low_dtype
+from accelkit_deepspeed import config as dsconfig
+from accelkit_deepspeed import zero_init
+
+log = logging.getLogger("accelkit")
+
+
+class EnginePrecision(Precision):
+    """DeepSpeed runs precision itself; accelkit only casts what crosses the model's boundary.
+
+    ``-true``: float inputs go in as bf16/fp16 (the engine's weights are), outputs come back fp32.
+    ``-mixed``: the engine runs torch.autocast itself; outputs come back fp32.
+    """
+
+    def __init__(self, precision: str) -> None:
+        self.name = precision
+        self.input_dtype = low_dtype(precision) if precision in ("bf16-true", "16-true") else None
+        self.cast_output = precision != "32-true"
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floats(data, torch.float32) if self.cast_output else data
+
+
+class DeepSpeedBackend(Backend):
+    """``deepspeed``, ``deepspeed_stage_1/2/3`` and ``deepspeed_stage_3_offload``."""
+
+    capabilities = Capabilities(
+        controls_precision=True,
+        controls_device=True,
+        scales_loss_for_accumulation=True,
+        no_sync=False,
+        manual_clip=False,
+        sharded=True,
+        distributed=True,
+        offload=True,
+        init_context="device",
+        compile=False,
+        portable_checkpoint=False,
+    )
+    options_class = dsconfig.DeepSpeedOptions
+    dtype_table = dsconfig.DTYPES
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def parse_config(cls, name: str, config: Any, overrides: dict[str, Any]) -> Any:
+        return dsconfig.parse(name, config, overrides)
+
+    @classmethod
+    def resolve_settings(cls, name: str, options: Any, settings: Settings) -> Settings:
+        precision, steps, max_norm = dsconfig.reconcile(
+            name, options, settings.precision, settings.accumulation_steps, settings.max_grad_norm
+        )
+        return dataclasses.replace(
+            settings, precision=precision, accumulation_steps=steps, max_grad_norm=max_norm
+        )
+
+    def __init__(self, name: str, options: Any, settings: Settings) -> None:
+        super().__init__(name, options, settings)
+        self.stage = dsconfig.zero_stage(options)
+        offload_optimizer, offload_param = dsconfig.offload_devices(options)
+        self.capabilities = dataclasses.replace(
+            type(self).capabilities,
+            sharded=self.stage >= 1,
+            init_context="zero.Init" if self.stage == 3 else "device",
+        )
+        self.offloads = (offload_optimizer, offload_param)
+        self.precision = EnginePrecision(settings.precision or "32-true")
+        self.engine: Any = None
+        self._micro_batch: int | None = None
+        self._deepspeed: Any = None
+        self._managed = True  # DeepSpeed's managed_gradient_accumulation
+
+    # ---- launch -------------------------------------------------------------------------------
+    def launch(self) -> None:
+        want = self.options.device
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{self.name}: device='cuda' but no CUDA device is available")
+        use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            index = distributed.local_rank()
+            torch.cuda.set_device(index)
+            self._device = torch.device("cuda", index)
+        else:
+            self._device = torch.device("cpu")
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        deepspeed = self._import_deepspeed()
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if accelerator.device_name() != self._device.type:
+            raise ConfigError(
+                f"{self.name}: DeepSpeed picked its {accelerator.device_name()!r} accelerator but "
+                f"accelkit runs on {self._device.type!r}. Set DS_ACCELERATOR={self._device.type} "
+                "before deepspeed is first imported, or pass device='auto'."
+            )
+        self._check_precision_supported(accelerator)
+        if self._device.type == "cpu" and not self.options.cpu_shm_comm:
+            _skip_shm_comm_build()
+        distributed.init_process_group(self._device, self.options.timeout)
+        deepspeed.init_distributed(
+            dist_backend=accelerator.communication_backend_name(),
+            timeout=datetime.timedelta(seconds=self.options.timeout),
+        )
+
+    def _import_deepspeed(self) -> Any:
+        if self._deepspeed is None:
+            import deepspeed
+            from deepspeed.utils import logger as ds_logger
+
+            ds_logger.setLevel(self.options.log_level)
+            self._deepspeed = deepspeed
+        return self._deepspeed
+
+    def _check_precision_supported(self, accelerator: Any) -> None:
+        precision = self.settings.precision
+        if precision == "16-true" and not accelerator.is_fp16_supported():
+            raise ConfigError(
+                f"{self.name}: precision='16-true' uses DeepSpeed's fp16 section, which DeepSpeed's "
+                f"{accelerator.device_name()!r} accelerator refuses here ('Type fp16 is not "
+                "supported on your device'). Use '16-mixed' (torch autocast), a bf16 precision, "
+                "or a GPU."
+            )
+        if precision == "bf16-true" and not accelerator.is_bf16_supported():
+            raise ConfigError(
+                f"{self.name}: precision='bf16-true' needs bf16 support, which DeepSpeed's "
+                f"{accelerator.device_name()!r} accelerator lacks here. Use '32-true' or a "
+                "16-bit precision the device supports."
+            )
+
+    # ---- the DeepSpeed config -------------------------------------------------------------
+    def ds_config(self, *, client_optimizer: bool = True) -> dict[str, Any]:
+        """The DeepSpeed config this backend hands to ``deepspeed.initialize`` (and zero.Init)."""
+        return dsconfig.build_ds_config(
+            self.options,
+            precision=self.settings.precision or "32-true",
+            accumulation_steps=self.settings.accumulation_steps,
+            max_grad_norm=self.settings.max_grad_norm,
+            micro_batch=self._micro_batch or dsconfig.DEFAULT_MICRO_BATCH,
+            client_optimizer=client_optimizer,
+        )
+
+    def on_dataloader(self, loader: Any) -> None:
+        """DeepSpeed's ``train_micro_batch_size_per_gpu`` comes from a loader set up before setup."""
+        batch = getattr(loader, "batch_size", None)
+        if batch is None:
+            return
+        if self.engine is None:
+            self._micro_batch = self._micro_batch or int(batch)
+        elif batch != self.engine.train_micro_batch_size_per_gpu():
+            log.info(
+                "deepspeed: the loader's batch size %d differs from the engine's "
+                "train_micro_batch_size_per_gpu=%d (set when setup() ran before "
+                "setup_dataloader()); DeepSpeed uses it for logging and throughput only",
+                batch,
+                self.engine.train_micro_batch_size_per_gpu(),
+            )
+
+    # ---- model building -----------------------------------------------------------------------
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """ZeRO-3: ``deepspeed.zero.Init`` with the final config (parameters are partitioned,
+        and offloaded with offload_param, while they are built). Other stages: the device."""
+        if self.stage != 3:
+            return super().init_module(empty_init)
+        deepspeed = self._import_deepspeed()
+        return zero_init.guarded_zero_init(
+            deepspeed, config_dict_or_path=self.ds_config(), enabled=empty_init is not False
+        )
+
+    def setup(
+        self,
+        model: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        activation_checkpointing: Any = None,
+        compile: bool | dict[str, Any] = False,
+    ) -> SetupResult:
+        if self.engine is not None:
+            raise UnsupportedError(
+                f"{self.name}: one DeepSpeed engine per Accelerator; build another accelerator "
+                "with accelkit.get() for a second model"
+            )
+        if compile:
+            raise UnsupportedError(f"{self.name}: setup(compile=...) is not supported yet")
+        if len(optimizers) > 1:
+            raise UnsupportedError(
+                f"{self.name}: DeepSpeed trains one optimizer per engine, got {len(optimizers)}"
+            )
+        if optimizers:
+            owned = {id(p) for p in model.parameters()}
+            if any(id(p) not in owned for g in optimizers[0].param_groups for p in g["params"]):
+                raise ConfigError(
+                    f"{self.name}: the optimizer holds parameters that are not this model's; "
+                    "build it on model.parameters() of the model passed to setup()"
+                )
+        config = self.ds_config(client_optimizer=bool(optimizers))
+        if optimizers and dsconfig._is_set(config.get("optimizer")):
+            raise ConfigError(
+                f"{self.name}: the DeepSpeed config names an optimizer and setup() got one too. "
+                "Drop the config's 'optimizer' section, or call setup(model) alone to use it."
+            )
+        zero_init.release(model)
+        if self._micro_batch is None and "train_micro_batch_size_per_gpu" not in (
+            self.options.ds_config or {}
+        ):
+            log.info(
+                "deepspeed: train_micro_batch_size_per_gpu=%d (set up the dataloader before the "
+                "model to take its batch size; DeepSpeed uses it for logging only)",
+                config.get("train_micro_batch_size_per_gpu", dsconfig.DEFAULT_MICRO_BATCH),
+            )
+        if activation_checkpointing:
+            apply_activation_checkpointing(model, activation_checkpointing)
+        deepspeed = self._import_deepspeed()
+        _forget_other_autocast(config)
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizers[0] if optimizers else None, config=config
+        )
+        self.engine = engine
+        self._managed = config.get("managed_gradient_accumulation", True) is not False
+        opts = [] if optimizer is None else [engine.optimizer]
+        return SetupResult(engine, opts)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the engine's forward runs torch_autocast itself
+
+    def before_backward(self, model: Any, *, closes_window: bool) -> None:
+        """Tell the engine whether this backward closes the window (called by the Accelerator)."""
+        engine = self.engine
+        if engine is not None and self._managed:
+            engine.set_gradient_accumulation_boundary(closes_window)
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
+        if self.engine is None:
+            raise UnsupportedError(
+                f"{self.name}: call accel.setup(model, optimizer) before backward"
+            )
+        self.engine.backward(loss, **kwargs)
+
+    def _grad_scaler(self) -> Any:
+        """torch's GradScaler DeepSpeed uses under 16-mixed (torch_autocast fp16), else None."""
+        engine = self.engine
+        if self.stage == 0:
+            return getattr(engine, "torch_autocast_z0_gradscaler", None)
+        return getattr(engine.optimizer, "torch_autocast_gradscaler", None)
+
+    def optimizer_step(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None,
+        track_grad_norm: bool,
+    ) -> StepResult:
+        engine = self.engine
+        want_norm = max_grad_norm is not None or track_grad_norm
+        scaler = self._grad_scaler()
+        scale = getattr(scaler, "_scale", None) if scaler is not None else None
+        scale_before = scale.detach().clone() if scale is not None else None
+        own_norm = None
+        if want_norm and self.stage == 0 and not _records_norm(engine):
+            own_norm = self._local_grad_norm(engine, scale_before)
+        engine.step()
+        found_inf = None
+        if self.settings.precision == "16-true":
+            found_inf = torch.tensor(0.0 if engine.was_step_applied() else 1.0)
+        elif scaler is not None and scale_before is not None:
+            if self.stage >= 1:
+                # ZeRO skips an overflowed step before torch's GradScaler sees it, so the scale
+                # would never back off (DeepSpeed 0.19.8): back it off as GradScaler would.
+                skipped = not engine.was_step_applied()
+                if skipped:
+                    scaler.update(new_scale=scale_before * scaler.get_backoff_factor())
+                found_inf = torch.tensor(1.0 if skipped else 0.0)
+            else:
+                found_inf = (scaler._scale < scale_before).to(torch.float32)
+        norm = None
+        if want_norm:
+            norm = own_norm if own_norm is not None else _as_tensor(engine.get_global_grad_norm())
+            if norm is not None and self.stage >= 1 and scale_before is not None:
+                norm = norm / scale_before.to(norm.device, norm.dtype)  # DeepSpeed's is scaled
+            if norm is not None and found_inf is not None:
+                inf = torch.full_like(norm, math.inf)
+                norm = torch.where(found_inf.to(norm.device) > 0, inf, norm)
+        return StepResult(norm, found_inf)
+
+    def _local_grad_norm(self, engine: Any, scale: torch.Tensor | None) -> torch.Tensor:
+        """ZeRO-0: gradients are whole and already averaged at the boundary; norm them here."""
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.get_total_norm(grads).to(torch.float32)
+        return norm / scale.to(norm.device) if scale is not None else norm
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        inner = getattr(model, "module", model)
+        return super().unwrap(inner)
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def local_fragments(self, state: dict[str, Any]) -> Any:
+        raise UnsupportedError(
+            f"{self.name}: accelkit's portable checkpoint does not read or write DeepSpeed state "
+            "yet (it comes with the DeepSpeed checkpoint issue)"
+        )
+
+    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
+        self.local_fragments(state)
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model on every rank: ZeRO-3 gathers each parameter (a collective)."""
+        module = self.unwrap(model)
+        if self.stage != 3:
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        deepspeed = self._import_deepspeed()
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def teardown(self) -> None:
+        self.engine = None
+
+
+# ---- helpers --------------------------------------------------------------------------------
+def _as_tensor(value: Any) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _records_norm(engine: Any) -> bool:
+    """Whether DeepSpeed computes the gradient norm in this configuration (ZeRO-0: only its
+    bf16/fp16 optimizers do)."""
+    return hasattr(engine.optimizer, "_global_grad_norm")
+
+
+def _skip_shm_comm_build() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory all-reduce op (~100 s of g++ on the
+    first run) on the CPU: only its inference all-reduce uses it, and without it DeepSpeed
+    falls back to torch.distributed."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict) and "deepspeed_shm_comm" in compatible:
+        compatible["deepspeed_shm_comm"] = False
+
+
+def _forget_other_autocast(config: dict[str, Any]) -> None:
+    """DeepSpeed keeps "torch_autocast is on" in module globals, so an engine built after an
+    autocast engine in the same process would scale its fp32 gradients too (0.19.8). Reset them
+    when this engine does not autocast."""
+    if (config.get("torch_autocast") or {}).get("enabled"):
+        return
+    try:
+        from deepspeed.runtime import torch_autocast
+    except ImportError:
+        return
+    if getattr(torch_autocast, "TORCH_AUTOCAST_INITIALIZED", False):
+        torch_autocast.TORCH_AUTOCAST_INITIALIZED = False
+        torch_autocast.TORCH_AUTOCAST_DTYPE = None

@@ -1,0 +1,47 @@
+"""The ``accelkit`` entry point of accelkit-deepspeed: names and factories only, no DeepSpeed import."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import accelkit
+
+FACTORY = "accelkit_deepspeed.backend:DeepSpeedBackend"
+INSTALL = "pip install accelkit-deepspeed deepspeed"
+
+#: name -> (preset short options, description)
+SHORTCUTS: dict[str, tuple[dict[str, Any], str]] = {
+    "deepspeed": ({}, "DeepSpeed ZeRO (stage from the config; 2 by default)"),
+    "deepspeed_stage_1": ({"zero_stage": 1}, "DeepSpeed ZeRO-1: optimizer state partitioned"),
+    "deepspeed_stage_2": ({"zero_stage": 2}, "DeepSpeed ZeRO-2: optimizer state and gradients"),
+    "deepspeed_stage_3": ({"zero_stage": 3}, "DeepSpeed ZeRO-3: parameters too"),
+    "deepspeed_stage_3_offload": (
+        {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+        "DeepSpeed ZeRO-3 with optimizer state and parameters in CPU memory",
+    ),
+}
+
+
+@accelkit.hookimpl
+def accelkit_register_backends(registry: Any) -> None:
+    for name, (defaults, description) in SHORTCUTS.items():
+        registry.add(
+            name,
+            FACTORY,
+            defaults=defaults,
+            requires=("deepspeed",),
+            install=INSTALL,
+            description=description,
+        )
+
+
+@accelkit.hookimpl
+def accelkit_env_report() -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"deepspeed": version("deepspeed"), "accelkit-deepspeed": version("accelkit-deepspeed")}

@@ -1,0 +1,170 @@
+"""``init_module()`` under ZeRO-3, and the guard that refuses silent writes to partitioned weights.
+
+Inside ``deepspeed.zero.Init`` each module's parameters are partitioned as soon as the module's
+own ``__init__`` returns: ``param.data`` becomes an empty tensor and the values live in
+``param.ds_tensor``. From then on ``torch.nn.init.normal_(param)``, ``param.data.copy_(...)`` or
+``load_state_dict`` change nothing, without an error. That is the classic way to train a
+ZeRO-3 model from the wrong weights.
+
+The guard makes those writes fail at once, with the fix in the message. It swaps the class of
+each partitioned parameter for :class:`GuardedParameter`, whose ``__torch_function__`` refuses
+in-place ops and ``.data`` access from user code while the parameter is partitioned, and adds a
+``load_state_dict`` pre-hook to the modules that hold them. DeepSpeed's own code passes (its
+frames are recognised), and so does anything done while the parameters are gathered
+(``deepspeed.zero.GatheredParameters``, or ``model.apply(fn)`` inside ``init_module()``, which
+DeepSpeed gathers itself). ``setup()`` restores the plain ``Parameter`` class, so training pays
+nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from accelkit.errors import UnsupportedError
+
+#: in-place tensor methods that change no values
+_HARMLESS_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad", "record_stream"})
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
+
+FIX = (
+    "Set weights while the parameters are gathered: inside "
+    "`with deepspeed.zero.GatheredParameters(list_of_params, modifier_rank=0):`, or in the "
+    "module's own __init__ / `model.apply(init_fn)` while the model is built under "
+    "accel.init_module() (DeepSpeed gathers there); or load them after setup with "
+    "accel.load(path, {'model': model})."
+)
+
+
+class PartitionedParameterError(UnsupportedError):
+    """A write to a ZeRO-3 partitioned parameter that would silently change nothing."""
+
+
+def is_partitioned(param: Any) -> bool:
+    status = getattr(param, "ds_status", None)
+    return status is not None and getattr(status, "name", "") == "NOT_AVAILABLE"
+
+
+def _module_of(frame: Any) -> str:
+    return frame.f_globals.get("__name__", "") if frame is not None else ""
+
+
+def _describe(param: Any) -> str:
+    where = getattr(param, "_accelkit_name", None) or "a parameter"
+    return f"{where} (shape {tuple(getattr(param, 'ds_shape', ()))})"
+
+
+class GuardedParameter(torch.nn.Parameter):
+    """A ZeRO-3 parameter between build and ``setup``: refuses writes that would be lost."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        # the tensor an op writes to: the first argument (``p.add_(1)``), or a keyword argument
+        # (``torch.nn.init.normal_(tensor=p)`` dispatches that way), or ``out=``
+        target = (
+            args[0]
+            if args
+            else next((v for v in kwargs.values() if isinstance(v, GuardedParameter)), None)
+        )
+        out = kwargs.get("out")
+        if isinstance(out, GuardedParameter) and is_partitioned(out):
+            target = out
+        if isinstance(target, GuardedParameter) and is_partitioned(target):
+            _check(func, target, sys._getframe(1))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _check(func: Any, param: Any, caller: Any) -> None:
+    name = getattr(func, "__name__", "")
+    caller_module = _module_of(caller)
+    if caller_module.split(".")[0] == "deepspeed":
+        return
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attribute != "data" or caller_module.split(".")[0] == "torch":
+            return
+        action = "reading .data of" if name == "__get__" else "assigning .data of"
+        raise PartitionedParameterError(
+            f"{action} {_describe(param)}, which ZeRO-3 has partitioned: its .data is an empty "
+            f"placeholder, so a write through it would be silently lost. {FIX}"
+        )
+    inplace = (
+        name.endswith("_") and not name.startswith("_") and name not in _HARMLESS_INPLACE
+    ) or name in _INPLACE_DUNDERS
+    if inplace:
+        raise PartitionedParameterError(
+            f"{name}() on {_describe(param)}, which ZeRO-3 has partitioned (it was built under "
+            f"accel.init_module()): the write would silently change nothing. {FIX}"
+        )
+
+
+def _refuse_load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    if any(is_partitioned(p) for p in module.parameters(recurse=False)):
+        raise PartitionedParameterError(
+            f"load_state_dict into {type(module).__name__}, whose parameters ZeRO-3 has "
+            f"partitioned: torch would copy into empty placeholders. {FIX}"
+        )
+
+
+def protect(module: torch.nn.Module) -> None:
+    """Guard the partitioned parameters ``module`` holds itself (not its children's)."""
+    guarded = False
+    for name, param in module.named_parameters(recurse=False):
+        if type(param) is torch.nn.Parameter and hasattr(param, "ds_status"):
+            param.__class__ = GuardedParameter
+            param._accelkit_name = f"{type(module).__name__}.{name}"
+            guarded = True
+    if guarded and not hasattr(module, "_accelkit_zero_guard"):
+        module._accelkit_zero_guard = module.register_load_state_dict_pre_hook(
+            _refuse_load_state_dict
+        )
+
+
+def release(model: torch.nn.Module) -> int:
+    """Give ``model``'s parameters back their plain class; returns how many were guarded."""
+    count = 0
+    for module in model.modules():
+        handle = module.__dict__.pop("_accelkit_zero_guard", None)
+        if handle is not None:
+            handle.remove()
+        for param in module.parameters(recurse=False):
+            if type(param) is GuardedParameter:
+                param.__class__ = torch.nn.Parameter
+                count += 1
+    return count
+
+
+def guarded_zero_init(deepspeed: Any, **kwargs: Any) -> Any:
+    """``deepspeed.zero.Init(**kwargs)`` that guards each module's parameters once partitioned."""
+
+    class GuardedInit(deepspeed.zero.Init):
+        def _post_init_method(self, module: torch.nn.Module) -> None:
+            super()._post_init_method(module)
+            protect(module)
+
+    return GuardedInit(**kwargs)
+
+
+def iter_guarded(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    return (p for p in model.parameters() if type(p) is GuardedParameter)

@@ -1,0 +1,74 @@
+"""Worker entry points run by dsk_launch in each rank: the accelkit side and both references."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import dsk_accel
+import dsk_reference
+
+
+def _autocasts(s: dict[str, Any]) -> bool:
+    return s["precision"].endswith("-mixed")
+
+
+def compare(scenarios: list[dict[str, Any]], torch_reference: bool = True) -> list[dict[str, Any]]:
+    """Each scenario on the accelkit side, on raw DeepSpeed and (once per distinct training) on
+    raw PyTorch. Engines that autocast run last: DeepSpeed keeps "autocast is on" in module
+    globals, which would leak into a raw DeepSpeed engine built after one (0.19.8)."""
+    order = sorted(range(len(scenarios)), key=lambda i: _autocasts(scenarios[i]))
+    results: list[dict[str, Any]] = [{} for _ in scenarios]
+    torch_cache: dict[str, Any] = {}
+    for i in order:
+        s = scenarios[i]
+        started = time.perf_counter()
+        results[i]["accel"] = dsk_accel.train(s)
+        results[i]["deepspeed"] = dsk_reference.raw_deepspeed(s)
+        if torch_reference and s["precision"] != "16-true":
+            key = repr(
+                sorted(
+                    (k, v)
+                    for k, v in s.items()
+                    if k
+                    not in (
+                        "stage",
+                        "offload_optimizer",
+                        "offload_param",
+                        "zero_init",
+                        "name",
+                        "config",
+                    )
+                )
+            )
+            if key not in torch_cache:
+                torch_cache[key] = dsk_reference.raw_torch(s)
+            results[i]["torch"] = torch_cache[key]
+        results[i]["seconds"] = round(time.perf_counter() - started, 2)
+    return results
+
+
+def floors(
+    seeds: list[int], precisions: list[str], stages: list[int], **common: Any
+) -> list[dict[str, Any]]:
+    """Measure how far raw DeepSpeed lands from raw PyTorch (the floor the tolerances are fixed
+    from), and how far the negative twin (each window divided by its own length) lands."""
+    out = []
+    for precision in sorted(precisions, key=lambda p: p.endswith("-mixed")):
+        for seed in seeds:
+            s = dict(common, seed=seed, precision=precision)
+            ref = dsk_reference.raw_torch(s)
+            twin = dsk_reference.raw_torch(dict(s, rule="own_length"))
+            for stage in stages:
+                ds = dsk_reference.raw_deepspeed(dict(s, stage=stage))
+                out.append(
+                    {
+                        "precision": precision,
+                        "seed": seed,
+                        "stage": stage,
+                        "ref": ref,
+                        "twin": twin,
+                        "ds": ds,
+                    }
+                )
+    return out
