@@ -280,6 +280,9 @@ class Accelerator:
             window.micro = 0
             self._apply(opt)
             applied = True
+        end_step = getattr(self.backend, "end_step", None)
+        if applied and end_step is not None:
+            end_step()
         return applied
 
     def _apply(self, opt: AcceleratedOptimizer) -> None:

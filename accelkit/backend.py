@@ -257,6 +257,13 @@ class Backend:
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
+    def end_step(self) -> None:
+        """After every optimizer whose window closed in one ``Accelerator.step()`` has stepped:
+        update the loss scale once for all of them."""
+        flush = getattr(self.precision, "flush_update", None)
+        if flush is not None:
+            flush()
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's own module inside whatever wrapper the backend added."""
         inner = model

@@ -115,6 +115,9 @@ class Precision:
     def update(self) -> None:
         """Adjust the loss scale after a step."""
 
+    def flush_update(self) -> None:
+        """Apply a loss-scale update that waited for the other optimizers of the same step."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -123,7 +126,16 @@ class Precision:
 
 
 class MixedPrecision(Precision):
-    """fp32 weights, autocast compute; dynamic loss scaling for fp16."""
+    """fp32 weights, autocast compute; dynamic loss scaling for fp16.
+
+    The scale update after a step waits until every optimizer whose window closed in the same
+    ``Accelerator.step()`` has stepped (``flush_update``; at the latest at the next backward or
+    ``state_dict``), so each is unscaled by the scale its gradients carry and one overflow backs
+    off once -- torch's recipe ``scaler.step(a); scaler.step(b); scaler.update()``.
+    """
+
+    #: a class attribute, so subclasses that skip ``__init__`` have it too
+    _update_pending = False
 
     def __init__(self, precision: str, device_type: str) -> None:
         self.name = precision
@@ -139,7 +151,15 @@ class MixedPrecision(Precision):
         return _cast_floats(data, torch.float32)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        if self.scaler is None:
+            return loss
+        self.flush_update()
+        return self.scaler.scale(loss)
+
+    def flush_update(self) -> None:
+        if self._update_pending:
+            self._update_pending = False
+            self.scaler.update()
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
@@ -162,13 +182,17 @@ class MixedPrecision(Precision):
 
     def update(self) -> None:
         if self.scaler is not None:
-            self.scaler.update()
+            self._update_pending = True  # applied by flush_update, see the class doc
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        if self.scaler is None:
+            return {}
+        self.flush_update()
+        return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler is not None and state:
+            self._update_pending = False
             self.scaler.load_state_dict(state)
 
 

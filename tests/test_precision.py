@@ -219,6 +219,50 @@ def test_unknown_precision_lists_the_valid_ones():
         assert name in message
 
 
+def loss_scale(accel) -> float:
+    """The current loss scale, read the way a checkpoint reads it."""
+    return float(accel.backend.state_dict()["precision"]["scale"])
+
+
+def test_fp16_two_optimizers_in_one_step_share_one_scale_update():
+    """Like torch's recipe ``scaler.step(a); scaler.step(b); scaler.update()``: one overflow
+    halves the scale once, and each optimizer is unscaled by the scale its gradients carry."""
+    torch.manual_seed(0)
+    x, y = make_data(6)
+    raw = Net(FEATURES, 8)
+    initial = {k: v.clone() for k, v in raw.state_dict().items()}
+    accel = accelkit.get("cpu", precision="16-mixed")
+    model = Net(FEATURES, 8)
+    model.load_state_dict(initial)
+    opt_a = torch.optim.SGD(model.inp.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD([*model.mid.parameters(), *model.out.parameters()], lr=0.1)
+    model, opt_a, opt_b = accel.setup(model, opt_a, opt_b)
+
+    raw_a = torch.optim.SGD(raw.inp.parameters(), lr=0.1)
+    raw_b = torch.optim.SGD([*raw.mid.parameters(), *raw.out.parameters()], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    skipped = []
+    for step, poison in enumerate([False, False, True, False, False]):
+        factor = math.inf if poison else 1.0
+        accel.backward(F.mse_loss(model(x), y) * factor)
+        assert accel.step()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = raw(x)
+        scaler.scale(F.mse_loss(out.float(), y) * factor).backward()
+        scale_before = scaler.get_scale()
+        scaler.step(raw_a)
+        scaler.step(raw_b)
+        scaler.update()
+        raw_a.zero_grad()
+        raw_b.zero_grad()
+        skipped.append(scaler.get_scale() < scale_before)
+        assert accel.step_was_skipped is skipped[-1], step
+        assert loss_scale(accel) == scaler.get_scale(), step
+        for name, value in raw.state_dict().items():
+            assert torch.equal(accel.unwrap(model).state_dict()[name], value), (step, name)
+    assert skipped[2] and not skipped[-1]
+
+
 @pytest.mark.parametrize(
     "precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)]
 )
