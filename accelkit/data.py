@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from accelkit.seed import worker_init_fn
 
@@ -150,6 +157,17 @@ class AcceleratedDataLoader:
             self.sampler.seed = int(state["seed"])
 
 
+def _is_plain_sampler(sampler: Sampler, dataset_len: int) -> bool:
+    """Sequential order, or a permutation of the whole dataset: what ResumableSampler does."""
+    if type(sampler) is SequentialSampler:
+        return True
+    return (
+        type(sampler) is RandomSampler
+        and not sampler.replacement
+        and sampler.num_samples == dataset_len
+    )
+
+
 def rebuild_dataloader(
     loader: DataLoader,
     *,
@@ -167,15 +185,29 @@ def rebuild_dataloader(
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         log.warning("custom batch sampler: accelkit leaves it as is (not sharded, not resumable)")
         return loader, None
+    original = loader.sampler
+    drop_last = loader.drop_last
+    if isinstance(original, DistributedSampler):  # a loop written for DDP: same intent
+        shuffle = original.shuffle if shuffle is None else shuffle
+        drop_last = drop_last or original.drop_last
+    elif not _is_plain_sampler(original, len(dataset)):
+        # weighted, subset, with-replacement samplers draw other samples than a permutation:
+        # replacing them would silently change what the model trains on
+        log.warning(
+            "custom sampler %s: accelkit leaves it as is (not sharded by rank, not resumable); "
+            "shard it yourself for several processes",
+            type(original).__name__,
+        )
+        return loader, None
     if shuffle is None:
-        shuffle = isinstance(loader.sampler, RandomSampler)
+        shuffle = isinstance(original, RandomSampler)
     sampler = ResumableSampler(
         len(dataset),
         num_replicas=num_replicas,
         rank=rank,
         shuffle=shuffle,
         seed=seed,
-        drop_last=loader.drop_last,
+        drop_last=drop_last,
     )
     kwargs: dict[str, Any] = dict(
         batch_size=loader.batch_size,

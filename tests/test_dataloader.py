@@ -111,6 +111,36 @@ def test_iterable_dataset_is_left_as_is(caplog):
     assert loader.sampler is None
 
 
+@pytest.mark.parametrize(
+    "make_sampler, allowed",
+    [
+        (lambda ds: torch.utils.data.SubsetRandomSampler([0, 2, 4]), {0, 2, 4}),
+        (lambda ds: torch.utils.data.WeightedRandomSampler([0, 0, 0, 0, 0, 1.0], 4), {5}),
+        (lambda ds: torch.utils.data.RandomSampler(ds, replacement=True, num_samples=9), None),
+    ],
+    ids=["subset", "weighted", "with-replacement"],
+)
+def test_custom_sampler_is_kept(make_sampler, allowed):
+    """A sampler that draws other samples than a permutation must not be swapped out."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(6))
+    original = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=make_sampler(dataset))
+    loader = accelkit.get("cpu", seed=SEED).setup_dataloader(original)
+    seen = take(loader)
+    assert len(seen) == len(original.sampler)
+    if allowed is not None:
+        assert set(seen) <= allowed
+
+
+def test_a_distributed_sampler_from_a_ddp_loop_is_replaced_with_its_intent():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True)
+    loader = accelkit.get("cpu", seed=SEED).setup_dataloader(
+        torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
+    )
+    assert take(loader) == documented_order(10, 0)
+    assert take(loader) == documented_order(10, 1)  # set_epoch is now called for the user
+
+
 def test_last_batch_closes_the_accumulation_window():
     """The loader tells the accelerator where an epoch ends (the short-window rule)."""
     accel = accelkit.get("cpu", accumulation_steps=3)
