@@ -132,7 +132,7 @@ TOY_PROJECT = textwrap.dedent(
             optim_wrapper=optim_wrapper,
             param_scheduler=[
                 dict(type="LinearLR", start_factor=0.5, by_epoch=False, begin=0, end=5),
-                dict(type="MultiStepLR", by_epoch=True, milestones=[1], gamma=0.5),
+                dict(type="MultiStepLR", by_epoch=True, milestones=[1, 2], gamma=0.5),
             ],
             default_hooks=dict(
                 checkpoint=dict(type="CheckpointHook", interval=1, max_keep_ckpts=keep)
@@ -547,3 +547,130 @@ def test_deepspeed_zero2_two_processes_track_mmengine_ddp(two_process_runs: Path
     _run(root, "accelkit_driver.py", [spec], nproc=2)
     for rank in (0, 1):
         _close_run(_record(root, "ds", rank), _record(root, "ref", rank), SHARDED_TOL)
+
+
+# ---- translation of MMEngine's config, and the no-pickle codec (in process, fast) ---------------
+def test_optim_wrapper_config_maps_onto_accelkit_settings() -> None:
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    cfg, settings = read_optim_wrapper_cfg(
+        dict(optimizer=dict(type="SGD", lr=0.1), accumulative_counts=4, clip_grad=dict(max_norm=2))
+    )
+    assert cfg["type"] == "AccelkitOptimWrapper"
+    assert (settings.accumulation_steps, settings.max_grad_norm) == (4, 2.0)
+    assert settings.precision is None
+    cfg, settings = read_optim_wrapper_cfg(
+        dict(type="AmpOptimWrapper", dtype="bfloat16", loss_scale="dynamic", optimizer={})
+    )
+    assert settings.precision == "bf16-mixed" and "dtype" not in cfg and "loss_scale" not in cfg
+    assert read_optim_wrapper_cfg(dict(type="AmpOptimWrapper", optimizer={}))[1].precision == (
+        "16-mixed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (dict(optimizer={}, clip_grad=dict(type="value", clip_value=1)), "L2 norm"),
+        (dict(optimizer={}, clip_grad=dict(max_norm=1, norm_type=1)), "L2 norm"),
+        (dict(optimizer={}, clip_grad=dict(max_norm=1, error_if_nonfinite=True)), "nonfinite"),
+        (dict(type="ApexOptimWrapper", optimizer={}), "cannot run on accelkit"),
+        (dict(gen=dict(optimizer={}), disc=dict(optimizer={})), "one optimizer"),
+    ],
+)
+def test_unsupported_optim_wrapper_config_is_refused(cfg: dict, message: str) -> None:
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    with pytest.raises(ConfigError, match=message):
+        read_optim_wrapper_cfg(cfg)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        (dict(backend="cpu", accumulation_steps=2), "accumulative_counts"),
+        (dict(backend="cpu", max_grad_norm=1.0), "clip_grad"),
+        (dict(backend="cpu", seed=1), "randomness"),
+    ],
+)
+def test_accelkit_section_refuses_what_mmengine_configures(section: dict, message: str) -> None:
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._settings import AdapterOptions
+
+    with pytest.raises(ConfigError, match=message):
+        AdapterOptions.parse(section, "accelkit")
+
+
+def test_precision_disagreement_is_an_error() -> None:
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._settings import (
+        AdapterOptions,
+        accelerator_kwargs,
+        read_optim_wrapper_cfg,
+    )
+
+    adapter = AdapterOptions.parse(dict(backend="cpu", precision="16-mixed"), "accelkit")
+    _, settings = read_optim_wrapper_cfg(
+        dict(type="AmpOptimWrapper", dtype="bfloat16", optimizer={})
+    )
+    with pytest.raises(ConfigError, match="disagrees"):
+        accelerator_kwargs(adapter, settings)
+
+
+def test_mmengine_state_round_trips_without_pickle() -> None:
+    """MMEngine's own state (schedulers' Counters, HistoryBuffers of numpy arrays, tuples) comes
+    back type for type from plain JSON."""
+    import collections
+
+    import numpy as np
+    import torch
+    from mmengine.logging import HistoryBuffer
+
+    from accelkit.integrations.mmengine.checkpoint import decode, encode
+
+    buf = HistoryBuffer([1.5, 2.25], [1, 2], max_length=7)
+    state = {
+        "milestones": collections.Counter({3: 1, 7: 2}),
+        "ordered": collections.OrderedDict(b=1, a=(2, 3.5)),
+        "int_keys": {1: "x", 2: None},
+        "array": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "scalar": np.float64(0.1),
+        "tensor": torch.tensor([1, 2], dtype=torch.int64),
+        "buffer": buf,
+        "nested": [{"$looks_like_a_tag": 1}, {4, 5}, float("inf")],
+    }
+    data = json.loads(json.dumps(encode(state)))
+    back = decode(data)
+    assert isinstance(back["milestones"], collections.Counter) and back["milestones"] == {
+        3: 1,
+        7: 2,
+    }
+    assert isinstance(back["ordered"], collections.OrderedDict)
+    assert list(back["ordered"]) == ["b", "a"] and back["ordered"]["a"] == (2, 3.5)
+    assert back["int_keys"] == {1: "x", 2: None}
+    assert back["array"].dtype == np.float32 and (back["array"] == state["array"]).all()
+    assert isinstance(back["scalar"], np.float64) and back["scalar"] == np.float64(0.1)
+    assert torch.equal(back["tensor"], state["tensor"])
+    assert isinstance(back["buffer"], HistoryBuffer) and back["buffer"].max_length == 7
+    assert back["buffer"].data[0].tolist() == [1.5, 2.25] and back["buffer"].current() == 2.25
+    assert back["nested"] == [{"$looks_like_a_tag": 1}, {4, 5}, float("inf")]
+
+
+def test_unencodable_state_is_dropped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from accelkit.integrations.mmengine.checkpoint import encode_lenient
+
+    with caplog.at_level("WARNING", logger="accelkit"):
+        out = encode_lenient({"ok": 1, "fn": print}, "meta")
+    assert out == {"ok": 1}
+    assert "meta.fn" in caplog.text
+
+
+def test_import_accelkit_does_not_import_mmengine() -> None:
+    code = (
+        "import sys, accelkit; accelkit.get('cpu'); "
+        "assert 'mmengine' not in sys.modules; "
+        "import accelkit.integrations; assert 'mmengine' not in sys.modules; "
+        "import accelkit.integrations.mmengine; assert 'mmengine' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

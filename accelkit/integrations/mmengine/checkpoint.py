@@ -49,15 +49,15 @@ def encode(obj: Any, path: str = "") -> Any:
     import numpy as np
     from mmengine.logging import HistoryBuffer
 
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
     if isinstance(obj, np.ndarray):
         return {"$ndarray": _array(obj)}
-    if isinstance(obj, np.generic):
+    if isinstance(obj, np.generic):  # before float: np.float64 subclasses float
         return {"$npscalar": {"dtype": str(obj.dtype), "value": obj.item()}}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
-        return {"$tensor": {"dtype": str(t.dtype).removeprefix("torch."), **_array(t)}}
+        return {"$tensor": {**_array(t), "dtype": str(t.dtype).removeprefix("torch.")}}
     if isinstance(obj, torch.dtype):
         return {"$torch_dtype": str(obj).removeprefix("torch.")}
     if isinstance(obj, HistoryBuffer):
@@ -131,11 +131,10 @@ def decode(data: Any) -> Any:
         if tag == "$set":
             return {decode(v) for v in body}
         if tag in ("$counter", "$odict", "$dict"):
-            pairs = [(decode(k), decode(v)) for k, v in body]
-            cls = {"$counter": collections.Counter, "$odict": collections.OrderedDict}.get(
-                tag, dict
-            )
-            return cls(pairs)
+            pairs = dict((decode(k), decode(v)) for k, v in body)
+            if tag == "$counter":
+                return collections.Counter(pairs)
+            return collections.OrderedDict(pairs) if tag == "$odict" else pairs
     return {k: decode(v) for k, v in data.items()}
 
 
