@@ -378,35 +378,43 @@ class Accelerator:
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather per-rank results for evaluation, dropping the samples the sampler padded.
 
-        Tensors are concatenated along the first dimension (their sizes may differ per rank);
-        other objects come back as a list with one entry per sample.
+        Tensors are concatenated along the first dimension (their sizes may differ per rank;
+        a 0-d tensor gives one entry per rank); a dict is gathered value by value; other
+        objects come back as a list with one entry per sample. At the last batch of an epoch,
+        whatever has one entry per sample of the batch (a leading dimension of the batch's
+        size) loses the entries of the samples the sampler repeated to even out the ranks.
         """
-        valid = self._valid_in_last_batch()
+        return self._gather(data, self._last_batch_sizes())
+
+    def _gather(self, data: Any, sizes: tuple[int, int] | None) -> Any:
+        if isinstance(data, dict):
+            return {key: self._gather(value, sizes) for key, value in data.items()}
         if isinstance(data, torch.Tensor):
-            if valid is not None:
-                data = data[:valid]
-            sizes = distributed.all_gather_object(int(data.shape[0]) if data.dim() else 1)
-            data = data if data.dim() else data.unsqueeze(0)
-            pad = max(sizes) - data.shape[0]
+            if data.dim() == 0:
+                data = data.unsqueeze(0)
+            elif sizes is not None and data.shape[0] == sizes[1]:
+                data = data[: sizes[0]]
+            counts = distributed.all_gather_object(int(data.shape[0]))
+            pad = max(counts) - data.shape[0]
             if pad:
                 data = torch.cat([data, data.new_zeros((pad, *data.shape[1:]))])
             gathered = distributed.all_gather(data.to(self.device))
-            return torch.cat([gathered[r, : sizes[r]] for r in range(len(sizes))])
+            return torch.cat([gathered[r, : counts[r]] for r in range(len(counts))])
         items = list(data) if isinstance(data, (list, tuple)) else [data]
-        if valid is not None:
-            items = items[:valid]
+        if sizes is not None and len(items) == sizes[1]:
+            items = items[: sizes[0]]
         return [x for part in distributed.all_gather_object(items) for x in part]
 
-    def _valid_in_last_batch(self) -> int | None:
-        """How many real (unpadded) samples this rank's current batch holds, at an epoch's end."""
+    def _last_batch_sizes(self) -> tuple[int, int] | None:
+        """At an epoch's last batch from a padded sampler: (real samples, batch size) of this
+        rank's batch; None elsewhere."""
         for loader in self._loaders:
-            if loader.is_last_batch and loader.sampler is not None:
-                s = loader.sampler
-                rest = s.dataset_len - s.start
+            s = loader.sampler
+            if loader.is_last_batch and s is not None and not s.drop_last:
+                rest = max(s.dataset_len - s.start, 0)
                 mine = len(range(s.rank, rest, s.num_replicas))
-                bs = loader.batch_size or 1
-                before = (len(loader) - 1) * bs
-                return max(mine - before, 0)
+                before = (len(loader) - 1) * (loader.batch_size or 1)
+                return max(mine - before, 0), len(s) - before
         return None
 
     def print(self, *args: Any, **kwargs: Any) -> None:

@@ -141,6 +141,17 @@ def test_a_distributed_sampler_from_a_ddp_loop_is_replaced_with_its_intent():
     assert take(loader) == documented_order(10, 1)  # set_epoch is now called for the user
 
 
+def test_gather_for_metrics_at_the_last_batch_on_one_process():
+    accel = accelkit.get("cpu")
+    loader = index_loader(accel, 5, 2)
+    means, labels = [], []
+    for (batch,) in loader:
+        means += accel.gather_for_metrics(batch.float().mean()).tolist()  # a 0-d tensor
+        labels += accel.gather_for_metrics({"label": batch})["label"].tolist()
+    assert means == [0.5, 2.5, 4.0]
+    assert labels == list(range(5))
+
+
 def test_last_batch_closes_the_accumulation_window():
     """The loader tells the accelerator where an epoch ends (the short-window rule)."""
     accel = accelkit.get("cpu", accumulation_steps=3)
@@ -181,12 +192,18 @@ def data_worker(resume_state: dict, n: int) -> dict:
 
     # evaluation over 7 samples: rank 1's last batch holds a padded duplicate of sample 0
     evaluation = index_loader(accel, 7, 2)
-    tensors, objects, local = [], [], []
+    tensors, objects, local, means, pairs, tokens = [], [], [], [], [], []
     for (batch,) in evaluation:
         local += batch.tolist()
         tensors += accel.gather_for_metrics(batch * 10).tolist()
         objects += accel.gather_for_metrics([f"s{i}" for i in batch.tolist()])
+        means.append(accel.gather_for_metrics(batch.float().mean()).tolist())  # one per rank
+        gathered = accel.gather_for_metrics({"pred": batch * 10, "label": batch})
+        pairs += list(zip(gathered["pred"].tolist(), gathered["label"].tolist()))
+        # not one entry per sample (two tokens per sample): nothing to drop
+        tokens.append(len(accel.gather_for_metrics(batch.repeat_interleave(2))))
     out["eval_local"], out["eval_tensors"], out["eval_objects"] = local, tensors, objects
+    out["eval_means"], out["eval_pairs"], out["eval_tokens"] = means, pairs, tokens
 
     draws = accel.setup_dataloader(
         torch.utils.data.DataLoader(RandomDraws(), batch_size=2, num_workers=1)
@@ -249,6 +266,10 @@ def test_gather_for_metrics_drops_padded_duplicates(ranks):
     for rank in ranks:
         assert sorted(rank["eval_tensors"]) == [10 * i for i in range(7)]
         assert sorted(rank["eval_objects"]) == sorted(f"s{i}" for i in range(7))
+        assert sorted(rank["eval_pairs"]) == [[10 * i, i] for i in range(7)]
+        # a 0-d result per rank is not per-sample: one entry per rank, even at the last batch
+        assert rank["eval_means"] == [[1.0, 2.0], [5.0, 2.5]]
+        assert rank["eval_tokens"] == [8, 8]
 
 
 def test_dataloader_workers_get_distinct_streams_per_rank(ranks):
