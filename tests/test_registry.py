@@ -10,6 +10,7 @@ read at ``import accelkit``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -146,7 +147,10 @@ def plugin_dir(tmp_path_factory) -> Path:
         sources.append(str(src))
     target = root / "site"
     env = {**os.environ, "PIP_CACHE_DIR": str(root / "pip-cache"), "PIP_NO_INPUT": "1"}
-    subprocess.run(
+    # offline with the setuptools of this environment; else pip fetches one into isolation
+    offline = importlib.util.find_spec("setuptools") is not None
+    build = ["--no-build-isolation", "--no-index"] if offline else []
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -154,18 +158,18 @@ def plugin_dir(tmp_path_factory) -> Path:
             "install",
             "--quiet",
             "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
+            *build,
             "--disable-pip-version-check",
             "--target",
             str(target),
             *sources,
         ],
-        check=True,
         env=env,
         capture_output=True,
-        timeout=120,
+        text=True,
+        timeout=180,
     )
+    assert proc.returncode == 0, f"pip install of the test plugins failed:\n{proc.stderr[-4000:]}"
     return target
 
 
