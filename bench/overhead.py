@@ -105,10 +105,11 @@ def make_workload(
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The model (built on the CPU, fp32) and one fixed batch on ``device``."""
     gen = torch.Generator().manual_seed(1)
-    if name == "mlp":
-        model = MLP()
-        x = torch.randn(batch, 256, generator=gen)
-        y = torch.randn(batch, 256, generator=gen)
+    if name in ("mlp", "null"):
+        width = 256 if name == "mlp" else 1
+        model = MLP(width=width, depth=4 if name == "mlp" else 1)
+        x = torch.randn(batch, width, generator=gen)
+        y = torch.randn(batch, width, generator=gen)
     else:
         model = GPT(seq=seq)
         x = torch.randint(0, 50304, (batch, seq), generator=gen)
@@ -301,13 +302,15 @@ def format_table(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
     lines = [
         head,
         "",
-        "| variant | raw ms/step | accelkit ms/step | ratio accelkit/raw (median) | "
-        "ratio min | ratio max | ratio of fastest chunks | max param diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | raw ms/step | accelkit ms/step | difference us/step | "
+        "ratio accelkit/raw (median) | ratio min | ratio max | ratio of fastest chunks | "
+        "max param diff |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['variant']} | {r['raw_ms_median']:.4f} | {r['accelkit_ms_median']:.4f} | "
+            f"{(r['accelkit_ms_median'] - r['raw_ms_median']) * 1e3:+.1f} | "
             f"{r['ratio_median']:.3f} | {r['ratio_min']:.3f} | {r['ratio_max']:.3f} | "
             f"{r['ratio_of_fastest_chunks']:.3f} | "
             f"{r['max_param_difference']:.2e} |"
@@ -318,7 +321,13 @@ def format_table(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    p.add_argument(
+        "--model",
+        choices=["mlp", "gpt", "null"],
+        default="mlp",
+        help="null: one Linear(1, 1), so a step is almost only framework work; the difference "
+        "in us/step is accelkit's own cost",
+    )
     p.add_argument("--precision", default=None, help="default: 32-true (mlp), bf16-mixed (gpt)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before each repeat")
@@ -348,7 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    is_mlp = args.model == "mlp"
+    is_mlp = args.model in ("mlp", "null")
     args.precision = args.precision or ("32-true" if is_mlp else "bf16-mixed")
     if args.precision not in ("32-true", "bf16-mixed", "16-mixed"):
         p.error("--precision: the raw side implements 32-true, bf16-mixed and 16-mixed")
