@@ -81,7 +81,7 @@ TOY_PROJECT = textwrap.dedent(
 
         def __init__(self, out, stop_after_epoch=None, export=None):
             self.out, self.stop_after_epoch, self.export = out, stop_after_epoch, export
-            self.rec = dict(loss=[], lr=[], grad_norm=[], val=[], iters=[])
+            self.rec = dict(loss=[], lr=[], grad_norm=[], val=[], iters=[], val_params=[])
 
         def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
             self.rec["loss"].append(float(outputs["loss"].detach()))
@@ -90,17 +90,25 @@ TOY_PROJECT = textwrap.dedent(
             norm = runner.message_hub.log_scalars.get("train/grad_norm")
             self.rec["grad_norm"].append(None if norm is None else float(norm.current()))
 
+        def before_val_epoch(self, runner):
+            # the weights validation runs with (EMAHook has swapped the averaged ones in)
+            self.rec["val_params"].append(self._weights(runner)[1])
+
         def after_val_epoch(self, runner, metrics=None):
             self.rec["val"].append(dict(metrics or {}))
+
+        @staticmethod
+        def _weights(runner):
+            # every rank calls state_dict(): a sharded backend gathers the full weights
+            state = {k.removeprefix("module."): v for k, v in runner.model.state_dict().items()}
+            return state, [x for k in sorted(state) for x in state[k].flatten().tolist()]
 
         def after_train_epoch(self, runner):
             if self.stop_after_epoch and runner.epoch + 1 >= self.stop_after_epoch:
                 runner.train_loop.stop_training = True
 
         def after_run(self, runner):
-            # every rank calls state_dict(): a sharded backend gathers the full weights
-            state = {k.removeprefix("module."): v for k, v in runner.model.state_dict().items()}
-            self.rec["params"] = [x for k in sorted(state) for x in state[k].flatten().tolist()]
+            state, self.rec["params"] = self._weights(runner)
             self.rec["epoch"], self.rec["iter"] = runner.epoch, runner.iter
             if self.export:  # a plain state dict, as a user exports weights for deployment
                 torch.save(state, self.export)
@@ -111,7 +119,7 @@ TOY_PROJECT = textwrap.dedent(
 
     def toy_cfg(work_dir, record, *, acc=1, clip=None, epochs=2, stop_after_epoch=None,
                 resume=False, load_from=None, keep=-1, launcher="none", export=None, save=True,
-                name="toy"):
+                ema=False, name="toy"):
         optim_wrapper = dict(
             optimizer=dict(type="SGD", lr=0.1, momentum=0.9, weight_decay=1e-3),
             accumulative_counts=acc)
@@ -139,7 +147,8 @@ TOY_PROJECT = textwrap.dedent(
                 if save else None,
                 logger=dict(type="LoggerHook", interval=5)),
             custom_hooks=[dict(type="RecordHook", out=record, stop_after_epoch=stop_after_epoch,
-                               export=export)],
+                               export=export)]
+                         + ([dict(type="EMAHook", momentum=0.2)] if ema else []),
             randomness=dict(seed=7),
             resume=resume,
             load_from=load_from,
@@ -167,7 +176,8 @@ REFERENCE_DRIVER = textwrap.dedent(
                 dist.init_process_group("gloo")
             cfg["model_wrapper_cfg"] = dict(
                 type="MMDistributedDataParallel", broadcast_buffers=False, device_ids=None)
-        Runner.from_cfg(cfg).train()
+        runner = Runner.from_cfg(cfg)
+        runner.val() if spec.get("mode") == "val" else runner.train()
     """
 )
 
@@ -240,6 +250,8 @@ def _record(root: Path, name: str, rank: int = 0) -> dict:
 PARTIAL = dict(acc=3, clip=0.5, epochs=2)
 # Accumulation over 2: windows align with epochs, so a resume after epoch 1 is uninterrupted.
 ALIGNED = dict(acc=2, epochs=3)
+# MMEngine's EMAHook: averaged weights for validation, in the checkpoint, after a resume
+EMA = dict(PARTIAL, ema=True)
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +260,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("mmengine")
     _write_project(root)
     reference = [
-        dict(name="ref_partial", work_dir="ref_partial", kw=PARTIAL),
+        dict(
+            name="ref_partial",
+            work_dir="ref_partial",
+            kw=dict(PARTIAL, export="ref_partial_weights.pth"),
+        ),
         dict(name="ref_partial_again", work_dir="ref_partial_again", kw=PARTIAL),
         dict(name="ref_aligned", work_dir="ref_aligned", kw=ALIGNED),
         # stopped after epoch 1 (mid-window), then MMEngine's own resume
         dict(name="ref_stop", work_dir="ref_resume", kw=dict(PARTIAL, stop_after_epoch=1)),
         dict(name="ref_resumed", work_dir="ref_resume", kw=dict(PARTIAL, resume=True)),
+        # with MMEngine's EMAHook: trained, stopped and resumed, and loaded for evaluation
+        dict(name="ref_ema", work_dir="ref_ema", kw=EMA),
+        dict(name="ref_ema_stop", work_dir="ref_ema_resume", kw=dict(EMA, stop_after_epoch=1)),
+        dict(name="ref_ema_resumed", work_dir="ref_ema_resume", kw=dict(EMA, resume=True)),
+        dict(
+            name="ref_ema_load",
+            work_dir="ref_ema_load",
+            kw=dict(EMA, load_from=str(root / "ref_ema" / "epoch_2.pth")),
+            mode="val",
+        ),
     ]
     # MMEngine's own resume needs this on torch >= 2.6 (mmengine/runner/checkpoint.py:347);
     # it is set for the reference process only, never for accelkit's.
@@ -306,6 +332,38 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             accelkit=cpu,
             kw=dict(PARTIAL, resume=True),
         ),
+        dict(name="ak_ema", work_dir="ak_ema", runner="runner", accelkit=cpu, kw=EMA),
+        dict(
+            name="ak_ema_stop",
+            work_dir="ak_ema_resume",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(EMA, stop_after_epoch=1),
+        ),
+        dict(
+            name="ak_ema_resumed",
+            work_dir="ak_ema_resume",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(EMA, resume=True),
+        ),
+        dict(
+            name="ak_ema_load",
+            work_dir="ak_ema_load",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(EMA, load_from=str(root / "ak_ema" / "epoch_2.pth")),
+            mode="val",
+        ),
+        # a plain state dict of tensors needs no trust
+        dict(
+            name="ak_plain_load",
+            work_dir="ak_plain_load",
+            runner="runner",
+            accelkit=cpu,
+            kw=dict(PARTIAL, load_from=str(root / "ref_partial_weights.pth")),
+            mode="val",
+        ),
         # MMEngine's pickled .pth: refused without trust_pickle, resumed with it
         dict(
             name="ak_untrusted",
@@ -335,7 +393,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _same_run(a: dict, b: dict) -> None:
-    for key in ("loss", "lr", "grad_norm", "val", "iters", "params"):
+    for key in ("loss", "lr", "grad_norm", "val", "iters", "params", "val_params"):
         assert a[key] == b[key], f"{key} differs"
 
 
@@ -409,6 +467,29 @@ def test_pickled_checkpoint_needs_trust(runs: Path) -> None:
 def test_resume_from_mmengine_pth(runs: Path, prefix: str) -> None:
     """MMEngine's own epoch_1.pth (pickled, trusted) resumes under accelkit as MMEngine would."""
     _same_run(_record(runs, f"{prefix}_from_mmengine"), _record(runs, "ref_resumed"))
+
+
+def test_load_from_plain_state_dict_needs_no_trust(runs: Path) -> None:
+    """A .pth holding only tensors (weights exported for deployment) loads without trust_pickle."""
+    loaded, ref = _record(runs, "ak_plain_load"), _record(runs, "ref_partial")
+    assert loaded["params"] == ref["params"] and loaded["val"] == ref["val"][-1:]
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [("ak_ema", "ref_ema"), ("ak_ema_resumed", "ref_ema_resumed"), ("ak_ema_load", "ref_ema_load")],
+)
+def test_ema_hook_as_in_mmengine(runs: Path, ours: str, theirs: str) -> None:
+    """EMAHook: validation on the averaged weights, its state saved and resumed, and load_from
+    giving the model the averaged weights, all as with MMEngine's own Runner."""
+    _same_run(_record(runs, ours), _record(runs, theirs))
+
+
+def test_ema_changes_what_validation_sees(runs: Path) -> None:
+    ema, plain = _record(runs, "ref_ema"), _record(runs, "ref_partial")
+    assert ema["params"] == plain["params"]  # the EMA does not touch training
+    assert ema["val_params"] != plain["val_params"]  # but validation runs on averaged weights
+    assert _record(runs, "ref_ema_load")["params"] == ema["val_params"][-1]
 
 
 # ---- negative twins of the checkpoint tests ---------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 import accelkit
 from accelkit import distributed
-from accelkit.errors import CheckpointError, ConfigError
+from accelkit.errors import CheckpointError, ConfigError, UnsupportedError
 from accelkit.integrations.mmengine import checkpoint as ckpt
 from accelkit.integrations.mmengine._settings import (
     AdapterOptions,
@@ -104,22 +104,51 @@ class Bridge:
         return AccelkitModelWrapper(accelerator=accel, model=wrapped)
 
     # ---- checkpoints --------------------------------------------------------------------------
+    def hook_view(self, model: AccelkitModelWrapper) -> dict[str, torch.Tensor] | None:
+        """``checkpoint['state_dict']`` as MMEngine's hooks expect to see it (EMAHook swaps its
+        entries), or None on sharded backends, where it would be a gather of the whole model."""
+        if self.accel.capabilities.sharded:
+            return None
+        return dict(self.accel.unwrap(model.wrapped).state_dict())
+
+    @staticmethod
+    def call_save_hooks(call: Any, checkpoint: dict[str, Any]) -> None:
+        """Run ``before_save_checkpoint`` hooks, explaining what accelkit cannot give them."""
+        try:
+            call(checkpoint)
+        except KeyError as err:
+            if "state_dict" in checkpoint or err.args != ("state_dict",):
+                raise
+            raise UnsupportedError(
+                "a hook (EMAHook?) needs checkpoint['state_dict'], the whole model's weights; "
+                "accelkit gives it to hooks on backends that do not shard the model only"
+            ) from err
+
     def save(
         self,
         path: str,
         model: AccelkitModelWrapper,
         optim_wrapper: AccelkitOptimWrapper | None,
-        mmengine_state: dict[str, Any],
+        checkpoint: dict[str, Any],
     ) -> None:
+        """Write the portable checkpoint. The model's own weights come from the backend's
+        fragments; ``checkpoint['state_dict']`` (the hooks' view) is not stored, and EMAHook's
+        swap is undone so that ``ema_state_dict`` holds the averaged weights."""
         if "://" in str(path):
             raise CheckpointError(f"accelkit writes checkpoints to local paths, got {path!r}")
+        checkpoint = dict(checkpoint)
+        view = checkpoint.pop("state_dict", None)
+        ema = checkpoint.get("ema_state_dict")
+        if view is not None and isinstance(ema, dict):
+            ema = checkpoint["ema_state_dict"] = dict(ema)
+            ckpt.swap_ema_state(view, ema)
         ckpt.save(
             self.accel,
             path,
             model=model.wrapped,
             optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
-            mmengine_state=ckpt.encode_lenient(mmengine_state, "checkpoint"),
-            step=mmengine_state.get("meta", {}).get("iter"),
+            checkpoint=checkpoint,
+            step=checkpoint.get("meta", {}).get("iter"),
         )
 
     def load(
@@ -136,8 +165,10 @@ class Bridge:
 
         Returns MMEngine's view of the checkpoint (``meta``, ``message_hub``,
         ``param_schedulers``, ...). Weights and, with ``optim_wrapper``, optimizer state are
-        loaded in place; ``before_model`` (MMEngine's ``after_load_checkpoint`` hooks) sees the
-        checkpoint first, as in MMEngine.
+        loaded in place. ``before_model`` (MMEngine's ``after_load_checkpoint`` hooks) sees the
+        checkpoint as MMEngine would have written it, and what it leaves in
+        ``checkpoint['state_dict']`` is what the model ends up with, as in MMEngine (EMAHook
+        puts the averaged weights there for ``load_from``, the trained ones for ``resume``).
         """
         path = os.fspath(path)
         if ckpt.is_portable(path):
@@ -148,7 +179,20 @@ class Bridge:
                 optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
                 strict=strict,
             )
-            if before_model is not None:
+            view = self.hook_view(model)
+            if before_model is not None and view is not None:
+                live = dict(view)
+                state["state_dict"] = view
+                if isinstance(state.get("ema_state_dict"), dict):
+                    ckpt.swap_ema_state(view, state["ema_state_dict"])  # MMEngine's layout
+                before_model(state)
+                changed = {k: v for k, v in view.items() if k in live and v is not live[k]}
+                if changed:
+                    ckpt.load_state_dict_into(
+                        self.accel, model.wrapped, changed, strict=False, revise_keys=[]
+                    )
+                state.pop("state_dict", None)
+            elif before_model is not None:
                 before_model(state)
             return state
         if os.path.isdir(path):
@@ -157,14 +201,17 @@ class Bridge:
                 "(an unfinished save, or another tool's format)"
             )
         state = ckpt.read_pickled(path, trust_pickle=self.adapter.trust_pickle)
+        if "state_dict" not in state:  # a bare state dict
+            state = {"state_dict": state}
         if before_model is not None:
             before_model(state)
-        weights = state.pop("state_dict", None) if "state_dict" in state else state
         ckpt.load_state_dict_into(
-            self.accel, model.wrapped, weights, strict=strict, revise_keys=revise_keys
+            self.accel,
+            model.wrapped,
+            state.pop("state_dict"),
+            strict=strict,
+            revise_keys=revise_keys,
         )
-        if weights is state:
-            state = {}
         if optim_wrapper is not None and "optimizer" in state:
             optim_wrapper.load_state_dict(state.pop("optimizer"))
         return state

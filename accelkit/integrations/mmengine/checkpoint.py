@@ -31,6 +31,8 @@ log = logging.getLogger("accelkit")
 
 #: name of the checkpoint extra that holds MMEngine's own state (tagged JSON)
 EXTRA_KEY = "mmengine"
+#: name of the extra that holds what hooks added as tensors (EMAHook's ``ema_state_dict``)
+TENSOR_EXTRA_KEY = "mmengine_tensors"
 #: file that marks a directory as an accelkit portable checkpoint
 MANIFEST = "accelkit.json"
 
@@ -143,23 +145,62 @@ def is_portable(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def swap_ema_state(model_state: dict[str, Any], ema_state: dict[str, Any]) -> None:
+    """Exchange ``module.<name>`` entries of ``ema_state`` with ``<name>`` of ``model_state``.
+
+    MMEngine's EMAHook writes checkpoints in this swapped layout (the averaged weights under
+    ``state_dict``, for deployment); the swap is its own inverse.
+    """
+    for key in list(ema_state):
+        if key.startswith("module.") and key[7:] in model_state:
+            name = key[7:]
+            ema_state[key], model_state[name] = model_state[name], ema_state[key]
+
+
 def save(
     accel: Accelerator,
     path: str | os.PathLike,
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    mmengine_state: dict[str, Any],
+    checkpoint: dict[str, Any],
     step: int | None = None,
 ) -> None:
-    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's state, on every rank.
+    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's ``checkpoint`` dict.
 
-    ``mmengine_state`` must already be :func:`encode`-d (plain JSON data)."""
+    The dict's plain entries (meta, message hub, scheduler states) become tagged JSON; entries
+    holding tensors that hooks added (EMAHook's ``ema_state_dict``) are stored as tensors.
+    """
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         state["optimizer"] = optimizer
-    state[EXTRA_KEY] = mmengine_state
+    tensors = {k: v for k, v in checkpoint.items() if _holds_tensors(v)}
+    plain = {k: v for k, v in checkpoint.items() if k not in tensors}
+    state[EXTRA_KEY] = encode_lenient(plain, "checkpoint")
+    if tensors:
+        state[TENSOR_EXTRA_KEY] = {k: _plain_containers(v) for k, v in tensors.items()}
     accel.save(path, state, step=step)
+
+
+def _plain_containers(value: Any) -> Any:
+    """OrderedDicts as dicts, tensors detached on the CPU: what the checkpoint's codec takes."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _plain_containers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain_containers(v) for v in value)
+    return value
 
 
 def load(
@@ -170,15 +211,14 @@ def load(
     optimizer: torch.optim.Optimizer | None,
     strict: bool,
 ) -> dict[str, Any]:
-    """Fill ``model`` (and ``optimizer``) from a portable checkpoint; return MMEngine's state."""
+    """Fill ``model`` (and ``optimizer``) from a portable checkpoint; return MMEngine's dict."""
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         state["optimizer"] = optimizer
-    rest = accel.load(path, state, strict=strict)
-    raw = (rest or {}).get(EXTRA_KEY)
-    if raw is None:
-        return {}
-    return decode(raw)
+    rest = accel.load(path, state, strict=strict) or {}
+    checkpoint = decode(rest.get(EXTRA_KEY) or {})
+    checkpoint.update(rest.get(TENSOR_EXTRA_KEY) or {})
+    return checkpoint
 
 
 # ---- foreign, pickled checkpoints ----------------------------------------------------------------

@@ -207,7 +207,12 @@ class AccelkitRunner(Runner):
                 }
             else:
                 checkpoint["param_schedulers"] = [s.state_dict() for s in self.param_schedulers]
-        self.call_hook("before_save_checkpoint", checkpoint=checkpoint)
+        view = self._bridge.hook_view(self.model)
+        if view is not None:
+            checkpoint["state_dict"] = view
+        self._bridge.call_save_hooks(
+            lambda c: self.call_hook("before_save_checkpoint", checkpoint=c), checkpoint
+        )
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         if optim_wrapper is not None and not isinstance(optim_wrapper, AccelkitOptimWrapper):
             optim_wrapper = None

@@ -184,7 +184,10 @@ class AccelkitStrategy(BaseStrategy):
         )
         if save_param_scheduler and hasattr(self, "param_schedulers"):
             checkpoint["param_schedulers"] = self.scheduler_state_dict()
+        view = self._bridge.hook_view(self.model)
+        if view is not None:
+            checkpoint["state_dict"] = view
         if callback is not None:
-            callback(checkpoint)
+            self._bridge.call_save_hooks(callback, checkpoint)
         optim_wrapper = getattr(self, "optim_wrapper", None) if save_optimizer else None
         self._bridge.save(filename, self.model, optim_wrapper, checkpoint)
