@@ -23,6 +23,7 @@ from accelkit.wrappers import (
     guard_scheduler_step,
     mark_step_tracked,
     patch_forward,
+    release_scheduler,
 )
 
 log = logging.getLogger("accelkit")
@@ -171,9 +172,16 @@ class Accelerator:
         return scheduler
 
     def _adopt_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer) -> None:
+        if getattr(scheduler, "_accelkit_stepped_by_composite", False):
+            return
         entries = self._schedulers.setdefault(id(optimizer), [])
         if any(s is scheduler for s, _ in entries):
             return
+        # SequentialLR / ChainedScheduler step their parts themselves: step only the composite
+        parts = getattr(scheduler, "_schedulers", None) or ()
+        for part in parts:
+            release_scheduler(part)
+        entries[:] = [(s, real) for s, real in entries if not any(s is p for p in parts)]
         entries.append((scheduler, guard_scheduler_step(scheduler)))
 
     def setup_dataloader(

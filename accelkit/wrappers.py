@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        # An LR scheduler reads param_groups in its __init__: adopt it there. torch marks our
+        # step only for the first scheduler (see __setattr__), so this catches every other one
+        # (several schedulers on one optimizer, SequentialLR and ChainedScheduler).
+        if sys._getframe(1).f_code.co_name in _SCHEDULER_INIT_READERS:
+            scheduler = _constructing_scheduler()
+            if scheduler is not None:
+                self.__dict__["_accelerator"]._adopt_scheduler(scheduler, self)
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -125,6 +133,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
 
+#: the functions through which torch's LR schedulers read ``param_groups`` while constructed
+_SCHEDULER_INIT_READERS = frozenset({"__init__", "_param_groups_val_list"})
+
+
 def _constructing_scheduler() -> LRScheduler | None:
     """The LRScheduler whose ``__init__`` is patching our ``step`` (torch does that on purpose)."""
     frame = inspect.currentframe()
@@ -160,6 +172,34 @@ def mark_step_tracked(optimizer: AcceleratedOptimizer) -> None:
     object.__setattr__(optimizer, "step", tracked)
 
 
+def _called_during_construction(scheduler: Any) -> bool:
+    """Whether this call comes from the scheduler's own ``__init__`` (torch's initial step).
+
+    Not ``_step_count == 0``: CosineAnnealingWarmRestarts, SequentialLR and ChainedScheduler
+    override ``step`` without counting, so every later call would look initial too.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(12):
+            frame = frame.f_back if frame else None
+            if frame is None:
+                return False
+            if (
+                frame.f_code.co_name in ("__init__", "_initial_step")
+                and frame.f_locals.get("self") is scheduler
+            ):
+                return True
+        return False
+    finally:
+        del frame
+
+
+def release_scheduler(scheduler: Any) -> None:
+    """Undo :func:`guard_scheduler_step`: a composite scheduler steps this one itself."""
+    scheduler.__dict__.pop("step", None)
+    scheduler._accelkit_stepped_by_composite = True
+
+
 def guard_scheduler_step(scheduler: LRScheduler) -> Any:
     """Make a user's own ``scheduler.step()`` a warned no-op; return the real step for accelkit."""
     real_step = scheduler.step
@@ -167,7 +207,7 @@ def guard_scheduler_step(scheduler: LRScheduler) -> Any:
 
     @functools.wraps(real_step)
     def step(*args: Any, **kwargs: Any) -> None:
-        if scheduler._step_count == 0:  # torch's own initial step inside LRScheduler.__init__
+        if _called_during_construction(scheduler):
             real_step(*args, **kwargs)
             return
         if not warned:

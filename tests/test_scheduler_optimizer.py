@@ -128,6 +128,61 @@ def test_scheduler_built_on_the_original_optimizer_via_setup():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
+SCHEDULES = {
+    "warm_restarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    "warmup_then_cosine": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
+        ],
+        milestones=[3],
+    ),
+    "chained": lambda o: torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        ]
+    ),
+    "two_on_one_optimizer": lambda o: [
+        torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_composite_and_several_schedulers_follow_torch(name):
+    """Applied step k has the LR torch gives after k steps, skipped fp16 windows excluded,
+    and the user's own step() calls (on any of them) change nothing."""
+    expected = []
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    made = SCHEDULES[name](optimizer)
+    for _ in range(8):
+        optimizer.step()
+        for scheduler in made if isinstance(made, list) else [made]:
+            scheduler.step()
+        expected.append(optimizer.param_groups[0]["lr"])
+
+    accel = accelkit.get("cpu", precision="16-mixed")
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    made = SCHEDULES[name](optimizer)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(10):
+            poison = float("inf") if i in (2, 6) else 1.0
+            accel.backward(model(torch.ones(1, 3)).sum() * 1e-3 * poison)
+            accel.step()
+            for scheduler in made if isinstance(made, list) else [made]:
+                scheduler.step()  # what a loop written for plain torch does: ignored
+            if not accel.step_was_skipped:
+                lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx(expected, rel=1e-12)
+
+
 def test_plateau_scheduler_is_left_to_the_user():
     """ReduceLROnPlateau needs a metric, so accelkit does not adopt it; its step() works."""
     accel, model, optimizer = tiny_setup()
