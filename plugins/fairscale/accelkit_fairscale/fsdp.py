@@ -335,10 +335,14 @@ class FairScaleFSDPBackend(Backend):
             setattr(parent, attr, wrap(block))
         root = wrap(model)
         self._roots.append(root)
+        # In root.parameters() order (the root's flat parameter first, then the nested units'),
+        # as an optimizer built on the wrapped model would hold them; FairScale's optimizer-state
+        # tools (gather_full_optim_state_dict) rely on that order.
+        order = {id(p): i for i, p in enumerate(root.parameters())}
         for optimizer in optimizers:
             optimizer.state.clear()
             for index, group in enumerate(optimizer.param_groups):
-                group["params"] = new_groups.get(index, [])
+                group["params"] = sorted(new_groups.get(index, []), key=lambda p: order[id(p)])
         log.debug(
             "fairscale_fsdp: %d nested units + root over %d ranks (%s)",
             len(blocks),
@@ -388,15 +392,22 @@ class FairScaleFSDPBackend(Backend):
             inner = inner.module
         return inner
 
+    # ---- state --------------------------------------------------------------------------------
+    def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
+        """Each rank's ranges of the flat parameters (and their optimizer state), cut back to
+        the original parameters; no gather (see accelkit_fairscale.checkpoint)."""
+        from accelkit_fairscale.checkpoint import fsdp_fragments
+
+        return fsdp_fragments(self, state)
+
+    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
+        from accelkit_fairscale.checkpoint import load_fsdp_fragments
+
+        load_fsdp_fragments(self, reader, state)
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """FairScale's full state dict: every unit's parameters all-gathered, on every rank,
         with FairScale's wrapper prefixes removed. Copies, in the parameters' dtype (fp32)."""
         root = self._root_of(model)
         state = root.state_dict()
         return {k: v.detach().clone() for k, v in state.items()}
-
-
-def _iter_units(root: Any) -> Iterator[Any]:
-    from fairscale.nn.data_parallel.fully_sharded_data_parallel import get_fsdp_instances
-
-    yield from get_fsdp_instances(root)

@@ -133,6 +133,17 @@ class OSSBackend(DDPBackend):
     ) -> torch.Tensor:
         return _oss_norm(optimizer, max_norm, self.device)
 
+    # ---- portable checkpoint: each rank writes the optimizer state it owns ---------------------
+    def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
+        from accelkit_fairscale.checkpoint import oss_fragments
+
+        return oss_fragments(self, state)
+
+    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
+        from accelkit_fairscale.checkpoint import load_oss_fragments
+
+        load_oss_fragments(self, reader, state)
+
 
 # ---- fairscale_sdp ---------------------------------------------------------------------------
 @dataclass
@@ -227,6 +238,14 @@ class ShardedDDPBackend(OSSBackend):
         for opt in sharded:
             self._wrapper_of_optimizer[id(opt)] = wrapper
         return SetupResult(wrapper, sharded)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside ShardedDataParallel (and DDP-style wrappers)."""
+        from fairscale.nn.data_parallel import ShardedDataParallel
+
+        while isinstance(model, ShardedDataParallel):
+            model = model.module
+        return super().unwrap(model)
 
     def _wrapper_of(self, model: torch.nn.Module | None) -> Any:
         from fairscale.nn.data_parallel import ShardedDataParallel

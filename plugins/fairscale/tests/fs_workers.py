@@ -101,6 +101,8 @@ def train(
         "params": {k: v.detach().float().flatten().tolist() for k, v in state.items()},
         "applied_steps": accel.applied_steps,
         "optimizer_class": type(optimizer.optimizer).__name__,
+        "units": sum(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()),
+        "local_numel": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -112,4 +114,141 @@ def suite(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         except Exception as err:  # reported per run, so one failure names itself
             results[name] = {"error": f"{type(err).__name__}: {err}"}
     results["_rank"] = int(os.environ.get("RANK", "0"))
+    return results
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _to_json_state(per_param: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {
+            key: (v.detach().float().flatten().tolist() if isinstance(v, torch.Tensor) else v)
+            for key, v in sorted(values.items())
+        }
+        for name, values in per_param.items()
+    }
+
+
+def _fsdp_full_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every original parameter's optimizer state, rebuilt in test code from each rank's flat
+    shards (all-gathered with raw torch) and FairScale's ``local_metadata_dict()``.
+
+    Not FairScale's ``gather_full_optim_state_dict``: in 0.4.13 it returns the last state key's
+    values for every key on the CPU (it all-gathers each key into one reused buffer and keeps
+    ``x.cpu()``, which on the CPU is that buffer), replaces the live optimizer's tensor ``step``
+    with an int (the next AdamW step then fails), and fails at world size 1."""
+    import torch.distributed as dist
+    from fairscale.nn import FullyShardedDataParallel
+
+    units = [m for _, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    metadata = model.local_metadata_dict()["param_metadata"]
+    world = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for unit, meta in zip(units, metadata):
+        prefix = meta["fsdp_path"]
+        for param, info in zip(unit.params, meta["params"].values()):
+            names = [f"{prefix}.{n}" if prefix else n for n in info["names"]]
+            for key, value in optimizer.state[param].items():
+                if value.dim() == 0:
+                    for name in names:
+                        out.setdefault(name, {})[key] = value
+                    continue
+                parts = [torch.empty_like(value) for _ in range(world)]
+                dist.all_gather(parts, value.contiguous())
+                full = torch.cat(parts)[: sum(info["numels"])]
+                for name, piece in zip(names, full.split(info["numels"])):
+                    out.setdefault(name, {})[key] = piece
+    return _to_json_state(out)
+
+
+def native_full_state(backend: str, model: Any, optimizer: Any) -> dict[str, Any]:
+    """The full parameters and optimizer state gathered WITHOUT accelkit's checkpoint code:
+    torch's state_dict for cpu/ddp, OSS.consolidate_state_dict for fairscale_oss/sdp, FairScale
+    FSDP's state_dict() for the parameters and a test-side gather of the optimizer's flat shards
+    (see _fsdp_full_optimizer_state). Optimizer state is None on ranks OSS does not hand it to."""
+    import torch.distributed as dist
+
+    inner_opt = optimizer.optimizer
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if backend == "fairscale_fsdp":
+        params = {k: v.detach().float().flatten().tolist() for k, v in model.state_dict().items()}
+        return {"params": params, "optim": _fsdp_full_optimizer_state(model, inner_opt)}
+    user = model.module if hasattr(model, "module") else model
+    params = {k: v.detach().float().flatten().tolist() for k, v in user.state_dict().items()}
+    names = _param_names(user)
+    if backend in ("fairscale_oss", "fairscale_sdp"):
+        inner_opt.consolidate_state_dict(recipient_rank=0)
+        if rank != 0:
+            return {"params": params, "optim": None}
+        state = inner_opt.state_dict()
+    else:
+        state = inner_opt.state_dict()
+    order = [p for group in inner_opt.param_groups for p in group["params"]]
+    per_param = {names[id(order[i])]: s for i, s in state["state"].items()}
+    return {"params": params, "optim": _to_json_state(per_param)}
+
+
+def ckpt_job(
+    backend: str,
+    *,
+    total: int,
+    save_at: int | None = None,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    options: dict[str, Any] | None = None,
+    shim: bool = False,
+    batch: int = BATCH,
+) -> dict[str, Any]:
+    """Train ``total`` steps (accumulation 1, clip 1.0); optionally load first (then continue
+    from the saved step) and save after step ``save_at``. Records the losses and the full state
+    gathered through the library's own path at the save and right after the load."""
+    import accelkit
+
+    if shim:
+        import fairscale_cpu_shim
+
+        fairscale_cpu_shim.apply()
+    accel = accelkit.get(backend, max_grad_norm=1.0, **(options or {}))
+    torch.manual_seed(SEED)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accel.setup(model, optimizer)
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(dataset(), batch_size=batch, shuffle=False)
+    )
+    state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+    result: dict[str, Any] = {"losses": {}}
+    step = 0
+    if load_from:
+        accel.load(load_from, state)
+        step = state["step"]
+        result["after_load"] = native_full_state(backend, model, optimizer)
+    while step < total:
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            accel.backward(loss)
+            accel.step()
+            result["losses"][step] = accel.all_reduce(loss.detach(), "mean").item()
+            step += 1
+            if step == save_at and save_to:
+                state["step"] = step
+                accel.save(save_to, state)
+                result["at_save"] = native_full_state(backend, model, optimizer)
+            if step >= total:
+                break
+    return result
+
+
+def ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several checkpoint jobs in one launch, in order; an error is reported per job."""
+    results: dict[str, Any] = {}
+    for job in jobs:
+        name = job.pop("name")
+        try:
+            results[name] = ckpt_job(**job)
+        except Exception as err:
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
     return results
