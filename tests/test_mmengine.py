@@ -556,12 +556,23 @@ def _close_run(a: dict, b: dict, tol: dict) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """MMEngine's own DDP Runner, then AccelkitRunner on ddp and fsdp (2 gloo processes each),
-    then the cpu backend (1 process) evaluating the ddp and fsdp checkpoints."""
+    """MMEngine's own DDP Runner, then FlexibleRunner on ddp and AccelkitRunner on ddp and fsdp
+    (2 gloo processes each), then the cpu backend (1 process) evaluating the ddp and fsdp
+    checkpoints."""
     root = tmp_path_factory.mktemp("mmengine_dist")
     _write_project(root)
     _run(root, "reference_driver.py", [dict(name="ref", work_dir="ref", kw=DISTRIBUTED)], nproc=2)
+    # FlexibleRunner first: its strategy joins the process group (gloo, no CUDA call)
     specs = [
+        dict(
+            name="flex_ddp",
+            work_dir="flex_ddp",
+            runner="flexible",
+            accelkit=dict(backend="ddp"),
+            kw=DISTRIBUTED,
+        )
+    ]
+    specs += [
         dict(name=name, work_dir=name, runner="runner", accelkit=dict(backend=name), kw=DISTRIBUTED)
         for name in ("ddp", "fsdp")
     ]
@@ -588,6 +599,7 @@ def test_ddp_two_processes_match_mmengine_ddp(two_process_runs: Path) -> None:
     root = two_process_runs
     for rank in (0, 1):
         _same_run(_record(root, "ddp", rank), _record(root, "ref", rank))
+        _same_run(_record(root, "flex_ddp", rank), _record(root, "ref", rank))
     assert _record(root, "ddp", 0)["loss"] != _record(root, "ddp", 1)["loss"]
     assert (root / "ddp" / "epoch_2.pth" / "rank-00001.safetensors").is_file()
 
@@ -612,22 +624,24 @@ def test_checkpoint_of_two_ranks_loads_on_one_cpu(two_process_runs: Path, name: 
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_processes_track_mmengine_ddp(two_process_runs: Path) -> None:
-    """DeepSpeed ZeRO-2 under AccelkitRunner, whose optimizer MMEngine's Runner cannot host."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_processes_track_mmengine_ddp(two_process_runs: Path, stage: int) -> None:
+    """DeepSpeed ZeRO-2/3 under AccelkitRunner: the setup MMEngine's Runner cannot host."""
     pytest.importorskip("accelkit_deepspeed")
     pytest.importorskip("deepspeed")
     root = two_process_runs
+    name = f"ds{stage}"
     spec = dict(
-        name="ds",
-        work_dir="ds",
+        name=name,
+        work_dir=name,
         runner="runner",
-        accelkit=dict(backend="deepspeed", config=dict(zero_stage=2)),
+        accelkit=dict(backend="deepspeed", config=dict(zero_stage=stage)),
         # DeepSpeed's portable checkpoint is not written yet (issue 6): no checkpoint hook
         kw=dict(DISTRIBUTED, save=False),
     )
     _run(root, "accelkit_driver.py", [spec], nproc=2)
     for rank in (0, 1):
-        _close_run(_record(root, "ds", rank), _record(root, "ref", rank), SHARDED_TOL)
+        _close_run(_record(root, name, rank), _record(root, "ref", rank), SHARDED_TOL)
 
 
 # ---- translation of MMEngine's config, and the no-pickle codec (in process, fast) ---------------
