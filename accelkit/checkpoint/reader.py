@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,14 +31,18 @@ log = logging.getLogger("accelkit")
 
 
 class CheckpointReader:
-    """Random access to the tensors of one checkpoint directory.
+    """Random access to the tensors of one checkpoint (a directory, or one with ``latest``).
 
     Backends use :meth:`entry` / :meth:`read_flat` in ``load_fragments``; the rest serves the
     default loader and the tools.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, strict: bool = True, verify: bool = True):
-        self.directory = Path(directory)
+    def __init__(
+        self, directory: str | os.PathLike, *, strict: bool = True, verify: bool = True
+    ) -> None:
+        from accelkit.checkpoint.storage import resolve
+
+        self.directory = resolve(directory)
         self.strict = strict
         self.verify = verify
         self.manifest = Manifest.read(self.directory)

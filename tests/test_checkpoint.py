@@ -1,0 +1,509 @@
+"""The portable checkpoint in one process: what it stores, what it refuses, how it fails.
+
+Every positive test here has a negative twin that tampers with one thing (a flipped byte, a
+shifted offset, a missing file, a changed shape, a truncated file) and must fail with a
+CheckpointError naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import test_checkpoint_reference as ref
+import torch
+from torch.utils.data import DataLoader
+
+import accelkit
+from accelkit.checkpoint import CheckpointReader, load, save
+from accelkit.checkpoint.manifest import canonical_bytes
+from accelkit.errors import CheckpointError
+
+
+def _setup(accel, *, seed: int = 0):
+    torch.manual_seed(seed)
+    model = ref.Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ref.LR)
+    model, opt = accel.setup(model, opt)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+    loader = accel.setup_dataloader(
+        DataLoader(ref.Samples(), batch_size=ref.GLOBAL_BATCH, shuffle=True)
+    )
+    return {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader}
+
+
+def _train(accel, state, steps: int) -> list[float]:
+    losses = []
+    while len(losses) < steps:
+        for tokens, targets, _ in state["loader"]:
+            loss = ref.lm_loss(state["model"](tokens), targets)
+            accel.backward(loss)
+            accel.step()
+            losses.append(loss.item())
+            if len(losses) == steps:
+                break
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A cpu run saved after 4 steps (mid-epoch: 6 batches per epoch), and its continuation."""
+    accel = accelkit.get("cpu", seed=7)
+    state = _setup(accel)
+    _train(accel, state, 4)
+    path = tmp_path_factory.mktemp("trained") / "run" / "step-4"
+    saved_state = ref.gather_full_state(state["model"], state["optimizer"].optimizer)
+    accel.save(path, {**state, "step": 4, "note": "hello"})
+    probe = [float(torch.rand(())), random.random(), float(np.random.rand())]
+    after = _train(accel, state, 5)
+    final = ref.gather_full_state(state["model"], state["optimizer"].optimizer)
+    return {
+        "path": path,
+        "saved": saved_state,
+        "after": after,
+        "final": final,
+        "probe": probe,
+    }
+
+
+def _fresh(seed: int = 123):
+    accel = accelkit.get("cpu", seed=seed)
+    return accel, _setup(accel, seed=seed)
+
+
+# ---- positive: what a resume restores -------------------------------------------------------------
+def test_resume_is_bit_exact_with_rng_and_data_order(trained):
+    accel, state = _fresh()
+    state["step"] = 0
+    rest = accel.load(trained["path"], state)
+    assert state["step"] == 4 and rest == {"note": "hello"}
+    probe = [float(torch.rand(())), random.random(), float(np.random.rand())]
+    assert probe == trained["probe"]
+    assert _train(accel, state, 5) == trained["after"]
+    ref.assert_same_state(
+        ref.gather_full_state(state["model"], state["optimizer"].optimizer), trained["final"]
+    )
+
+
+def test_load_is_lossless(trained):
+    accel, state = _fresh()
+    accel.load(trained["path"], state)
+    loaded = ref.gather_full_state(state["model"], state["optimizer"].optimizer)
+    ref.assert_same_state(loaded, trained["saved"])
+
+
+def test_resume_without_rng_is_caught_by_the_probe(trained):
+    accel, state = _fresh()
+    accel.load(trained["path"], state, rng=False)
+    assert [float(torch.rand(())), random.random(), float(np.random.rand())] != trained["probe"]
+
+
+def test_latest_pointer_and_load_through_the_parent(trained):
+    parent = trained["path"].parent
+    assert (parent / "latest").read_text().strip() == "step-4"
+    accel, state = _fresh()
+    accel.load(parent, state)
+    ref.assert_same_state(
+        ref.gather_full_state(state["model"], state["optimizer"].optimizer), trained["saved"]
+    )
+
+
+def test_manifest_is_readable(trained):
+    manifest = json.loads((trained["path"] / "accelkit.json").read_text())
+    assert manifest["format"] == "accelkit.checkpoint" and manifest["format_version"] == "1.0"
+    assert manifest["writer"]["backend"] == "cpu" and manifest["writer"]["torch"]
+    assert manifest["world_size"] == 1 and manifest["precision"] == "32-true"
+    assert manifest["step"] == 4
+    opt = manifest["objects"]["optimizer"]
+    assert opt["family"] == "adamw" and opt["model"] == "model"
+    assert "embed.weight" in opt["param_groups"][0]["params"]
+    assert "frozen" not in opt["param_groups"][0]["params"]
+    assert manifest["objects"]["loader"]["state"]["consumed"] == 4 * ref.GLOBAL_BATCH
+    kinds = {t["kind"] for t in manifest["tensors"] if t["object"] == "optimizer"}
+    assert kinds == {"optim:exp_avg", "optim:exp_avg_sq", "optim:step"}
+    entry = next(t for t in manifest["tensors"] if t["fqn"] == "blocks.0.up.weight")
+    assert entry["shape"] == [ref.HIDDEN, ref.WIDTH] and entry["dtype"] == "float32"
+    (frag,) = entry["fragments"]
+    assert frag["file"] == "rank-00000.safetensors" and len(frag["sha256"]) == 64
+    assert json.loads((trained["path"] / "extra.json").read_text())["extras"]["note"] == "hello"
+
+
+def test_files_are_plain_safetensors(trained):
+    from safetensors import safe_open
+
+    manifest = json.loads((trained["path"] / "accelkit.json").read_text())
+    entry = next(t for t in manifest["tensors"] if t["fqn"] == "blocks.0.up.weight")
+    frag = entry["fragments"][0]
+    with safe_open(str(trained["path"] / frag["file"]), framework="pt") as f:
+        flat = f.get_slice(frag["key"])[:]
+    expected = trained["saved"]["tensors"]["model/blocks.0.up.weight"]
+    assert torch.equal(flat.view(ref.HIDDEN, ref.WIDTH), expected)
+
+
+# ---- strict keys ------------------------------------------------------------------------------------
+class Wider(ref.Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra_head = torch.nn.Linear(ref.WIDTH, 2)
+
+
+def test_strict_lists_missing_and_unexpected_keys(trained):
+    torch.manual_seed(0)
+    with pytest.raises(
+        CheckpointError, match=r"missing from the checkpoint: extra_head\.weight, extra_head\.bias"
+    ):
+        load(None, trained["path"], {"model": Wider()})
+    small = ref.Net()
+    del small.blocks[1]
+    with pytest.raises(
+        CheckpointError, match=r"not in the target: blocks\.1\.down\.bias, blocks\.1\.down\.weight"
+    ):
+        load(None, trained["path"], {"model": small})
+
+
+def test_non_strict_loads_what_matches(trained):
+    torch.manual_seed(0)
+    model = Wider()
+    load(None, trained["path"], {"model": model}, strict=False)
+    expected = trained["saved"]["tensors"]["model/embed.weight"]
+    assert torch.equal(model.embed.weight, expected)
+
+
+def test_strict_top_level_names(trained):
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: ema"):
+        load(None, trained["path"], {"model": ref.Net(), "ema": ref.Net()})
+    with pytest.raises(
+        CheckpointError, match=r"'optimizer' is a optimizer in the checkpoint, a module"
+    ):
+        load(None, trained["path"], {"optimizer": ref.Net()})
+
+
+def test_optimizer_groups_must_match(trained):
+    model = ref.Net()
+    params = [p for p in model.parameters() if p.requires_grad]
+    two_groups = torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}])
+    with pytest.raises(CheckpointError, match="1 param groups, the optimizer 2"):
+        load(None, trained["path"], {"model": model, "optimizer": two_groups})
+
+
+def test_shape_mismatch_names_the_tensor(trained):
+    model = ref.Net()
+    model.norm = torch.nn.LayerNorm(ref.WIDTH + 1)
+    with pytest.raises(
+        CheckpointError, match=r"model:param:norm\.weight.*shape \[6\], the target has \[7\]"
+    ):
+        load(None, trained["path"], {"model": model})
+
+
+# ---- negative twins: tampering -------------------------------------------------------------------------
+def _copy(trained, tmp_path, name: str) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(trained["path"], dst)
+    return dst
+
+
+def _manifest(path: Path) -> dict:
+    return json.loads((path / "accelkit.json").read_text())
+
+
+def _rewrite_manifest(path: Path, data: dict, *, fix_checksum: bool) -> None:
+    if fix_checksum:
+        data["checksum"] = hashlib.sha256(canonical_bytes(data)).hexdigest()
+    (path / "accelkit.json").write_text(json.dumps(data, indent=1))
+
+
+def _load_all(path: Path) -> None:
+    model = ref.Net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    load(None, path, {"model": model, "optimizer": opt}, strict=False)
+
+
+def _locate(path: Path, fqn: str) -> tuple[dict, int]:
+    """The manifest entry of model tensor ``fqn`` and the file offset of its first byte."""
+    from accelkit.checkpoint.safetensors_io import read_header
+
+    entry = next(
+        t for t in _manifest(path)["tensors"] if t["fqn"] == fqn and t["object"] == "model"
+    )
+    frag = entry["fragments"][0]
+    header, data_start = read_header(path / frag["file"])
+    return entry, data_start + header[frag["key"]]["data_offsets"][0]
+
+
+def test_twin_flipped_data_byte(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "flip")
+    _, offset = _locate(bad, "blocks.1.up.weight")
+    raw = bytearray((bad / "rank-00000.safetensors").read_bytes())
+    raw[offset + 9] ^= 0x01
+    (bad / "rank-00000.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank-00000\.safetensors: fragment .*blocks\.1\.up\.weight.* failed its checksum",
+    ):
+        _load_all(bad)
+
+
+def test_twin_shifted_offset(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "shift")
+    data = _manifest(bad)
+    entry = next(t for t in data["tensors"] if t["fqn"] == "blocks.0.up.weight")
+    entry["fragments"][0]["flat_offset"] += 3
+    _rewrite_manifest(bad, data, fix_checksum=False)
+    with pytest.raises(CheckpointError, match="manifest checksum mismatch"):
+        _load_all(bad)
+    # a writer that got it wrong (checksum consistent): the tiling check names file and tensor
+    _rewrite_manifest(bad, data, fix_checksum=True)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model:param:blocks\.0\.up\.weight: fragment .* in rank-00000\.safetensors at flat_offset 3",
+    ):
+        _load_all(bad)
+
+
+def test_twin_dropped_file(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "drop")
+    (bad / "rank-00000.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"rank-00000\.safetensors: file missing.*model:buffer:pos"
+    ):
+        _load_all(bad)
+
+
+def test_twin_changed_shape(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "shape")
+    data = _manifest(bad)
+    entry = next(t for t in data["tensors"] if t["fqn"] == "blocks.0.up.weight")
+    entry["shape"] = [ref.WIDTH, ref.HIDDEN]  # same numel, transposed
+    _rewrite_manifest(bad, data, fix_checksum=True)
+    with pytest.raises(
+        CheckpointError,
+        match=r"model:param:blocks\.0\.up\.weight: the checkpoint \(.*accelkit\.json\) has shape \[6, 10\]",
+    ):
+        _load_all(bad)
+    entry["shape"] = [ref.HIDDEN + 1, ref.WIDTH]  # more elements than stored
+    _rewrite_manifest(bad, data, fix_checksum=True)
+    with pytest.raises(
+        CheckpointError, match=r"model:param:blocks\.0\.up\.weight: fragments cover 60 of 66"
+    ):
+        _load_all(bad)
+
+
+def test_twin_truncated_file(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "trunc")
+    target = bad / "rank-00000.safetensors"
+    target.write_bytes(target.read_bytes()[:-100])
+    with pytest.raises(
+        CheckpointError,
+        match=r"rank-00000\.safetensors: \d+ bytes, the manifest says \d+ \(truncated",
+    ):
+        _load_all(bad)
+
+
+def test_twin_flipped_manifest_and_extra(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "extra")
+    raw = (bad / "extra.json").read_text().replace("hello", "hellp")
+    (bad / "extra.json").write_text(raw)
+    with pytest.raises(CheckpointError, match=r"extra\.json: checksum mismatch"):
+        load(None, bad, {"note": ""}, rng=False)
+    bad2 = _copy(trained, tmp_path, "manifest")
+    original = (bad2 / "accelkit.json").read_text()
+    text = original.replace('"initial_lr": 0.02', '"initial_lr": 0.03', 1)
+    assert text != original
+    (bad2 / "accelkit.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"accelkit\.json: manifest checksum mismatch"):
+        _load_all(bad2)
+
+
+def test_twin_header_points_elsewhere(trained, tmp_path):
+    """A safetensors header whose entry for a fragment has another dtype: caught by name."""
+    bad = _copy(trained, tmp_path, "header")
+    target = bad / "rank-00000.safetensors"
+    raw = target.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = raw[8 : 8 + size].decode()
+    key = "model/param/blocks.0.up.weight@0"
+    start = header.index(f'"{key}"')
+    patched = header[:start] + header[start:].replace('"F32"', '"I32"', 1)
+    target.write_bytes(raw[:8] + patched.encode() + raw[8 + size :])
+    with pytest.raises(
+        CheckpointError, match=r"rank-00000\.safetensors: key .*blocks\.0\.up\.weight.* is I32"
+    ):
+        _load_all(bad)
+
+
+# ---- nothing is unpickled ---------------------------------------------------------------------------------
+def test_load_unpickles_nothing(trained, monkeypatch):
+    import pickle
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling during load")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    accel, state = _fresh()
+    accel.load(trained["path"], state)
+    # and the twin: the monkeypatch does bite
+    with pytest.raises(AssertionError, match="unpickling"):
+        pickle.loads(pickle.dumps(1))
+
+
+# ---- extras, statefuls, the grad scaler ---------------------------------------------------------------------
+def test_extras_round_trip_and_refusals(tmp_path):
+    extras = {
+        "step": 12,
+        "name": "run-a",
+        "nested": {"a": [1, 2.5, None, True], "b": (1, "x"), 3: "int key", "nan": float("nan")},
+        "weights": torch.arange(6, dtype=torch.bfloat16).view(2, 3),
+        "array": np.arange(4, dtype=np.int16),
+        "raw": b"\x00\x01",
+    }
+    save(None, tmp_path / "c", extras)
+    out = {k: None for k in extras}
+    load(None, tmp_path / "c", out)
+    assert out["step"] == 12 and out["name"] == "run-a" and out["raw"] == b"\x00\x01"
+    assert out["nested"]["a"] == [1, 2.5, None, True] and out["nested"]["b"] == (1, "x")
+    assert out["nested"][3] == "int key" and np.isnan(out["nested"]["nan"])
+    assert torch.equal(out["weights"], extras["weights"]) and out["weights"].dtype == torch.bfloat16
+    assert np.array_equal(out["array"], extras["array"]) and out["array"].dtype == np.int16
+    with pytest.raises(CheckpointError, match=r"bad/inner: cannot store a .*object"):
+        save(None, tmp_path / "d", {"bad": {"inner": object()}})
+    with pytest.raises(CheckpointError, match="reserved"):
+        save(None, tmp_path / "d", {"__x": 1})
+
+
+def test_grad_scaler_state_is_saved(tmp_path):
+    accel = accelkit.get("cpu", precision="16-mixed")
+    model = accel.setup(torch.nn.Linear(3, 3))
+    scaler = accel.backend.precision.scaler
+    scaler.scale(torch.ones(()))  # the scale is created lazily
+    scaler.update(1024.0)
+    accel.save(tmp_path / "c", {"model": model})
+    other = accelkit.get("cpu", precision="16-mixed")
+    other.setup(torch.nn.Linear(3, 3))
+    assert other.backend.precision.scaler.get_scale() != 1024.0
+    other.load(tmp_path / "c", {"model": torch.nn.Linear(3, 3)})
+    assert other.backend.precision.scaler.get_scale() == 1024.0
+
+
+def test_mid_epoch_dataloader_resume(tmp_path):
+    accel = accelkit.get("cpu", seed=3)
+    loader = accel.setup_dataloader(DataLoader(ref.Samples(), batch_size=5, shuffle=True))
+    order = [index.tolist() for _, _, index in loader]
+    loader2 = accel.setup_dataloader(DataLoader(ref.Samples(), batch_size=5, shuffle=True))
+    it = iter(loader2)
+    for _ in range(4):
+        next(it)
+    accel.save(tmp_path / "c", {"loader": loader2})
+    fresh = accelkit.get("cpu", seed=3).setup_dataloader(
+        DataLoader(ref.Samples(), batch_size=5, shuffle=True)
+    )
+    load(accel, tmp_path / "c", {"loader": fresh})
+    assert [index.tolist() for _, _, index in fresh] == order[4:]
+
+
+# ---- rotation and overwrite ------------------------------------------------------------------------------------
+def test_keep_last_rotates_only_its_own_series(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    save(None, tmp_path / "best", {"model": model})
+    for step in (1, 2, 3, 4):
+        save(None, tmp_path / f"step-{step}", {"model": model, "step": step}, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["best", "latest", "step-3", "step-4"]
+    assert (tmp_path / "latest").read_text().strip() == "step-4"
+    with pytest.raises(CheckpointError, match="keep_last"):
+        save(None, tmp_path / "step-5", {"model": model}, keep_last=0)
+
+
+def test_overwrite_replaces_a_checkpoint_but_not_other_data(tmp_path):
+    save(None, tmp_path / "c", {"model": torch.nn.Linear(2, 2), "v": 1})
+    save(None, tmp_path / "c", {"model": torch.nn.Linear(2, 2), "v": 2})
+    out = {"v": 0}
+    load(None, tmp_path / "c", out)
+    assert out["v"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "latest"]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not an accelkit checkpoint; refusing"):
+        save(None, tmp_path / "data", {"v": 1})
+    assert (tmp_path / "data" / "keep.txt").read_text() == "mine"
+
+
+# ---- atomicity: SIGKILL at random points --------------------------------------------------------------------------
+def _saver(parent: str, step: int, ready) -> None:
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float(step))
+    ready.send(True)
+    save(None, Path(parent) / f"step-{step}", {"model": model, "step": step}, keep_last=2)
+    ready.send(True)
+
+
+def _check_complete(path: Path) -> int:
+    reader = CheckpointReader(path)
+    assert reader.verify_all() == []
+    step = reader.extras()["step"]
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
+    model.to_empty(device="cpu")
+    load(None, path, {"model": model}, rng=False)
+    assert all(torch.all(p == float(step)) for p in model.parameters())
+    return step
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    parent = tmp_path / "ckpts"
+
+    def run(step: int, kill_after: float | None) -> float:
+        """Save ``step`` in a forked process; SIGKILL it ``kill_after`` s into the save."""
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_saver, args=(str(parent), step, sender))
+        proc.start()
+        receiver.recv()  # ready: the save starts now
+        started = time.perf_counter()
+        if kill_after is None:
+            receiver.recv()
+        elif not receiver.poll(kill_after):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        return time.perf_counter() - started
+
+    warm_receiver, warm_sender = ctx.Pipe(duplex=False)
+    _saver(str(tmp_path / "warm"), 0, warm_sender)  # imports, in the parent
+    warm_receiver.close()
+    _check_complete(tmp_path / "warm" / "step-0")
+    duration = min(run(step, None) for step in (0, 0, 0))  # the time one save takes
+    rng = random.Random(0)
+    completed = 0
+    previous = 0
+    for step in range(1, 26):
+        before = (parent / "latest").read_text().strip()
+        run(step, rng.uniform(0, duration * 1.2))
+        latest = (parent / "latest").read_text().strip()
+        assert latest in (before, f"step-{step}")
+        got = _check_complete(parent)  # through the pointer
+        assert got in (previous, step)
+        if latest == before:
+            assert _check_complete(parent / before) == previous  # the previous one, intact
+        else:
+            completed += 1
+            previous = step
+        for child in parent.iterdir():  # anything named like a checkpoint is complete
+            if child.is_dir() and not child.name.startswith("."):
+                _check_complete(child)
+    # the kills landed both before and after the commit point
+    assert 0 < completed < 25, completed
