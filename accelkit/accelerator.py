@@ -21,6 +21,7 @@ from accelkit.seed import seed_everything
 from accelkit.wrappers import (
     AcceleratedOptimizer,
     guard_scheduler_step,
+    is_composite_part,
     mark_step_tracked,
     patch_forward,
     release_scheduler,
@@ -172,7 +173,7 @@ class Accelerator:
         return scheduler
 
     def _adopt_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer) -> None:
-        if getattr(scheduler, "_accelkit_stepped_by_composite", False):
+        if is_composite_part(scheduler):
             return
         entries = self._schedulers.setdefault(id(optimizer), [])
         if any(s is scheduler for s, _ in entries):

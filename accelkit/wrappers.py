@@ -8,6 +8,7 @@ import inspect
 import logging
 import sys
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -194,10 +195,21 @@ def _called_during_construction(scheduler: Any) -> bool:
         del frame
 
 
+#: schedulers that a composite (SequentialLR, ChainedScheduler) steps; accelkit leaves them be
+_COMPOSITE_PARTS: weakref.WeakSet = weakref.WeakSet()
+#: what :func:`guard_scheduler_step` puts on a scheduler; kept out of its state_dict
+_GUARD_ATTRIBUTES = ("step", "state_dict", "load_state_dict")
+
+
+def is_composite_part(scheduler: Any) -> bool:
+    return scheduler in _COMPOSITE_PARTS
+
+
 def release_scheduler(scheduler: Any) -> None:
     """Undo :func:`guard_scheduler_step`: a composite scheduler steps this one itself."""
-    scheduler.__dict__.pop("step", None)
-    scheduler._accelkit_stepped_by_composite = True
+    for name in _GUARD_ATTRIBUTES:
+        scheduler.__dict__.pop(name, None)
+    _COMPOSITE_PARTS.add(scheduler)
 
 
 def guard_scheduler_step(scheduler: LRScheduler) -> Any:
@@ -220,5 +232,22 @@ def guard_scheduler_step(scheduler: LRScheduler) -> Any:
                 stacklevel=2,
             )
 
+    cls = type(scheduler)
+
+    def state_dict() -> dict[str, Any]:
+        # torch's LRScheduler.state_dict is the instance __dict__: leave our guard out of it,
+        # so that torch.save works and a load does not carry it onto another scheduler
+        state = cls.state_dict(scheduler)
+        for name in _GUARD_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        cls.load_state_dict(
+            scheduler, {k: v for k, v in state.items() if k not in _GUARD_ATTRIBUTES}
+        )
+
     scheduler.step = step
+    scheduler.state_dict = state_dict
+    scheduler.load_state_dict = load_state_dict
     return real_step

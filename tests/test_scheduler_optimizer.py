@@ -183,6 +183,42 @@ def test_composite_and_several_schedulers_follow_torch(name):
     assert lrs == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("name", ["step", "warmup_then_cosine"])
+def test_scheduler_state_dict_is_torchs_and_saves(name, tmp_path):
+    """A loop that saves ``sched.state_dict()`` itself (torch.save) keeps working, and a state
+    loaded into a fresh adopted scheduler continues the schedule there."""
+
+    def make(o):
+        if name == "step":
+            return torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+        return SCHEDULES["warmup_then_cosine"](o)
+
+    raw_model = torch.nn.Linear(3, 2)
+    raw_keys = set(make(torch.optim.SGD(raw_model.parameters(), lr=1.0)).state_dict())
+
+    accel, model, optimizer = tiny_setup()
+    scheduler = make(optimizer)
+    for i in range(2):
+        micro_batch(accel, model, seed=i)
+        accel.step()
+    assert set(scheduler.state_dict()) == raw_keys
+    torch.save(scheduler.state_dict(), tmp_path / "sched.pt")
+    lr = optimizer.param_groups[0]["lr"]
+
+    accel2, model2, optimizer2 = tiny_setup()
+    resumed = make(optimizer2)
+    resumed.load_state_dict(torch.load(tmp_path / "sched.pt", weights_only=False))
+    optimizer2.param_groups[0]["lr"] = lr
+    with pytest.warns(UserWarning, match="ignored"):
+        resumed.step()  # still guarded after the load
+    for i in range(2, 4):
+        micro_batch(accel, model, seed=i)
+        accel.step()
+        micro_batch(accel2, model2, seed=i)
+        accel2.step()
+    assert optimizer2.param_groups[0]["lr"] == pytest.approx(optimizer.param_groups[0]["lr"])
+
+
 def test_plateau_scheduler_is_left_to_the_user():
     """ReduceLROnPlateau needs a metric, so accelkit does not adopt it; its step() works."""
     accel, model, optimizer = tiny_setup()
