@@ -349,6 +349,18 @@ def reconcile(
     managed = native.get("managed_gradient_accumulation", True)
     if managed is not True and managed is not False:
         raise ConfigError(f"{owner}: managed_gradient_accumulation must be true or false")
+    # build the config once now, so a short option that contradicts it fails at get()
+    try:
+        build_ds_config(
+            options,
+            precision=resolved,
+            accumulation_steps=accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            micro_batch=DEFAULT_MICRO_BATCH,
+            client_optimizer=True,
+        )
+    except ConfigError as err:
+        raise ConfigError(f"{owner}: {err}") from None
     return resolved, accumulation_steps, max_grad_norm
 
 

@@ -169,3 +169,9 @@ def fp16_refused() -> dict[str, Any]:
         "16-true": _error(lambda: accelkit.get("deepspeed", precision="16-true")),
         "16-mixed": _error(lambda: accelkit.get("deepspeed", precision="16-mixed")),
     }
+
+
+def all_checks() -> dict[str, Any]:
+    """Every check above in one process (one launch is most of a check's cost); fp16 last, as
+    it patches DeepSpeed's accelerator class."""
+    return {"guard": zero_init_guard(), "behaviour": behaviour(), "fp16": fp16_refused()}

@@ -13,7 +13,9 @@ def _autocasts(s: dict[str, Any]) -> bool:
     return s["precision"].endswith("-mixed")
 
 
-def compare(scenarios: list[dict[str, Any]], torch_reference: bool = True) -> list[dict[str, Any]]:
+def compare(
+    scenarios: list[dict[str, Any]], torch_reference: bool = True, twin: bool = False
+) -> list[dict[str, Any]]:
     """Each scenario on the accelkit side, on raw DeepSpeed and (once per distinct training) on
     raw PyTorch. Engines that autocast run last: DeepSpeed keeps "autocast is on" in module
     globals, which would leak into a raw DeepSpeed engine built after one (0.19.8)."""
@@ -44,6 +46,10 @@ def compare(scenarios: list[dict[str, Any]], torch_reference: bool = True) -> li
             if key not in torch_cache:
                 torch_cache[key] = dsk_reference.raw_torch(s)
             results[i]["torch"] = torch_cache[key]
+            if twin:  # the negative twin: each window divided by its own length
+                if "twin:" + key not in torch_cache:
+                    torch_cache["twin:" + key] = dsk_reference.raw_torch(dict(s, rule="own_length"))
+                results[i]["twin"] = torch_cache["twin:" + key]
         results[i]["seconds"] = round(time.perf_counter() - started, 2)
     return results
 

@@ -1,0 +1,92 @@
+"""Behaviour of the DeepSpeed backend beyond the numbers: ZeRO-3 init_module() and its guard,
+the loader's batch size, native configs and DeepSpeed's own optimizer, schedulers, errors.
+
+All checks run in one launched process (dsk_checks.all_checks); each test asserts on its part.
+"""
+
+from __future__ import annotations
+
+import pytest
+from dsk_launch import run_ranks
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    return run_ranks("dsk_checks:all_checks", nproc=1)[0]
+
+
+@pytest.fixture
+def guard(checks) -> dict:
+    return checks["guard"]
+
+
+def test_zero3_init_module_partitions_while_building(guard):
+    assert guard["init_context"] == "zero.Init"
+    assert guard["partitioned"]
+    # the model's own __init__ ran self.apply(init): DeepSpeed gathered, the values stuck
+    assert guard["apply_in_init"] == [0.125, 0.125]
+    assert guard["fc1_after_setup"] == [0.125, 0.125]
+
+
+@pytest.mark.parametrize("write", ["nn_init", "data_write", "inplace_method", "load_state_dict"])
+def test_writes_to_partitioned_weights_are_refused_with_the_fix(guard, write):
+    error = guard[write]
+    assert error is not None and error.startswith("PartitionedParameterError")
+    assert "partitioned" in error
+    assert "GatheredParameters" in error and "accel.load" in error
+
+
+def test_the_documented_fix_works_and_setup_lifts_the_guard(guard):
+    assert guard["requires_grad_"] is None  # changes no values: allowed
+    assert guard["gathered_write"] == [0.5]  # written under GatheredParameters(modifier_rank=0)
+    assert guard["class_after_setup"] == ["Parameter"]
+    assert guard["stepped"] is True
+
+
+@pytest.fixture
+def behaviour(checks) -> dict:
+    return checks["behaviour"]
+
+
+def test_micro_batch_comes_from_a_loader_set_up_first(behaviour):
+    assert behaviour["micro_from_loader"] == 3
+    assert behaviour["micro_default"] == 1 and behaviour["default_logged"]
+
+
+def test_returned_optimizer_drives_deepspeeds_learning_rate(behaviour):
+    assert behaviour["is_optimizer"]
+    assert behaviour["engine_scheduler"] == "None"  # never handed to DeepSpeed
+    # StepLR(gamma=0.5) built on the returned optimizer, stepped once by accelkit
+    assert behaviour["sched_last_lr"] == behaviour["engine_lr_after_one_step"] == 0.05
+
+
+def test_errors_and_plain_answers(behaviour):
+    assert behaviour["clip_by_hand"].startswith("UnsupportedError")
+    assert "max_grad_norm" in behaviour["clip_by_hand"]
+    assert behaviour["foreign_optimizer"].startswith("ConfigError")
+    assert "not this model's" in behaviour["foreign_optimizer"]
+    assert behaviour["unwrap"] == "Net"
+    assert behaviour["autocast_is_noop"] == "nullcontext"
+
+
+def test_native_json_config_is_used_as_is_with_its_own_optimizer(behaviour):
+    assert behaviour["native_settings"] == ["bf16-true", 2, 1.0]
+    assert behaviour["native_engine"] == {
+        "bf16": True,
+        "gas": 2,
+        "clip": 1.0,
+        "micro": 4,
+        "bucket": 1000,
+        "inner": "AdamW",  # DeepSpeed built it ("torch_adam": true)
+        "lr": 0.01,
+    }
+    assert behaviour["out_dtype"] == "torch.float32"  # fp32 in, bf16 engine, fp32 out
+    assert behaviour["both_optimizers"].startswith("ConfigError")
+    assert "names an optimizer" in behaviour["both_optimizers"]
+
+
+def test_fp16_is_refused_at_get_where_the_device_lacks_it(checks):
+    result = checks["fp16"]
+    assert result["16-true"].startswith("ConfigError")
+    assert "16-mixed" in result["16-true"] and "a GPU" in result["16-true"]
+    assert result["16-mixed"] is None  # torch autocast fp16 does not need DeepSpeed's fp16
