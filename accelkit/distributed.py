@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 from typing import Any
 
@@ -21,6 +22,17 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist: ``gpu-node-[003-004,009],x1`` -> ``gpu-node-003``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
 def _slurm_env() -> dict[str, str] | None:
     """Map SLURM's variables onto torch's when a script runs under ``srun`` without torchrun."""
     if "SLURM_PROCID" not in os.environ or "RANK" in os.environ:
@@ -33,8 +45,7 @@ def _slurm_env() -> dict[str, str] | None:
         "LOCAL_RANK": os.environ.get("SLURM_LOCALID", "0"),
     }
     if "MASTER_ADDR" not in os.environ:
-        nodelist = os.environ.get("SLURM_NODELIST", "127.0.0.1")
-        env["MASTER_ADDR"] = nodelist.split(",")[0].replace("[", "").split("-")[0]
+        env["MASTER_ADDR"] = first_slurm_host(os.environ.get("SLURM_NODELIST", "127.0.0.1"))
     if "MASTER_PORT" not in os.environ:
         env["MASTER_PORT"] = str(15000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000)
     return env

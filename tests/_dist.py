@@ -91,20 +91,35 @@ def spawn_ranks(
     *,
     nproc: int = 2,
     env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
 ) -> list[subprocess.Popen]:
-    """Start ``nproc`` plain processes with RANK/WORLD_SIZE/MASTER_* set, as a launcher would."""
+    """Start ``nproc`` plain processes with the environment a launcher gives its tasks:
+    ``torchrun``'s RANK/WORLD_SIZE/MASTER_*, or ``slurm``'s SLURM_* (``srun`` without torchrun)."""
     (outdir / "kwargs.json").write_text(json.dumps(kwargs))
     port = str(free_port())
     procs = []
     for rank in range(nproc):
         rank_env = worker_env(env)
-        rank_env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
+        for key in [k for k in rank_env if k.startswith("SLURM_")]:
+            del rank_env[key]
+        if launcher == "slurm":
+            rank_env.update(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                SLURM_NTASKS=str(nproc),
+                SLURM_NODELIST="localhost",
+                SLURM_JOB_ID="4242",
+                SLURM_JOB_NAME="train",
+                MASTER_PORT=port,  # SLURM has no port; a job sets one or accelkit derives it
+            )
+        else:
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(HERE / "_dist.py"), target, str(outdir)],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import time
@@ -124,3 +125,44 @@ def test_a_lost_rank_makes_the_other_fail_within_the_timeout(tmp_path, mode):
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+# ---- SLURM --------------------------------------------------------------------------------------
+def slurm_worker() -> dict:
+    accel = accelkit.get("auto", timeout=60.0)
+    total = accel.all_reduce(torch.tensor([float(accel.rank)]), "sum")
+    return {"name": accel.name, "rank": accel.rank, "world": accel.world_size, "sum": total.item()}
+
+
+@pytest.mark.slow
+def test_tasks_started_by_srun_form_a_group(tmp_path):
+    """``srun python train.py`` (no torchrun): accelkit reads SLURM_* and joins the ranks."""
+    procs = spawn_ranks("test_distributed_misc:slurm_worker", {}, tmp_path, launcher="slurm")
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=LIVENESS_BOUND_S)
+        assert proc.returncode == 0, stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    assert [(r["name"], r["rank"], r["world"]) for r in results] == [("ddp", 0, 2), ("ddp", 1, 2)]
+    assert results[0]["sum"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [
+        ("node07", "node07"),
+        ("node[01-04]", "node01"),
+        ("gpu-node-[003-004,009]", "gpu-node-003"),
+        ("a-1,b-2", "a-1"),
+        ("rack2-gpu[12,14],rack3-gpu[1-2]", "rack2-gpu12"),
+    ],
+)
+def test_slurm_master_address_is_the_first_host(monkeypatch, nodelist, first):
+    from accelkit import distributed
+
+    for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    monkeypatch.setenv("SLURM_NODELIST", nodelist)
+    assert distributed._slurm_env()["MASTER_ADDR"] == first
