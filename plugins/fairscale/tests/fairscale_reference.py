@@ -2,7 +2,8 @@
 ShardedDataParallel + OSS and FairScale FSDP, written as their own documentation shows them.
 
 This module imports NOTHING from accelkit (nor from the accelkit-side test workers); its model,
-data and loop are its own. It runs under ``torchrun`` (2 gloo processes) and returns, per run,
+data and loop are its own. It runs under ``torchrun`` (2 gloo processes on the CPU; nccl with
+``cfg["device"] = "cuda"``) and returns, per run,
 the rank-averaged loss of every micro-batch, the gradient norm of every optimizer step, and the
 final full parameters.
 
@@ -64,21 +65,25 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
-def _init() -> None:
+def _init(device: str) -> None:
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _wrap(mode: str, model: torch.nn.Module, lr: float, cfg: dict[str, Any]) -> tuple[Any, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
+    device = cfg.get("device", "cpu")
+    ddp_kwargs = {"device_ids": [torch.cuda.current_device()]} if device == "cuda" else {}
     if mode == "ddp":
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, **ddp_kwargs)
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=lr)
     if mode == "oss":
         from fairscale.optim import OSS
 
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(model, **ddp_kwargs)
         return ddp, OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=lr)
     if mode == "sdp":
         from fairscale.nn.data_parallel import ShardedDataParallel
@@ -94,8 +99,10 @@ def _wrap(mode: str, model: torch.nn.Module, lr: float, cfg: dict[str, Any]) -> 
 
         mixed = cfg.get("fsdp_mixed", False)
         kwargs = dict(
-            compute_device=torch.device("cpu"),
-            bucket_cap_mb=0,
+            compute_device=torch.device(device, torch.cuda.current_device())
+            if device == "cuda"
+            else torch.device("cpu"),
+            bucket_cap_mb=25 if device == "cuda" else 0,  # gloo rejects FairScale's 2-D bucket
             mixed_precision=mixed,
             compute_dtype=torch.float16 if mixed else None,
         )
@@ -132,13 +139,14 @@ def train(
 ) -> dict[str, Any]:
     """One run on this rank; returns losses (rank-averaged), norms and final parameters."""
     cfg = cfg or {}
-    _init()
+    device = cfg.get("device", "cpu")
+    _init(device)
     if cfg.get("shim"):
         import fairscale_cpu_shim
 
         fairscale_cpu_shim.apply()
     torch.manual_seed(SEED)
-    model = Net()
+    model = Net().to(device)
     wrapped, optimizer = _wrap(mode, model, LR, cfg)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     fsdp_casts = mode == "fsdp" and cfg.get("fsdp_mixed", False)
@@ -146,7 +154,7 @@ def train(
     if precision == "16-mixed":
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = ShardedGradScaler("cpu")
+        scaler = ShardedGradScaler(device)
     loader = _loader()
     losses, norms = [], []
     for epoch in range(epochs):
@@ -154,13 +162,14 @@ def train(
         count = len(loader)
         micro = 0
         for index, (x, y) in enumerate(loader):
+            x, y = x.to(device), y.to(device)
             micro += 1
             closes = micro == accumulation or index == count - 1
             skip_sync = not closes and cfg.get("no_sync", True)
             sync = wrapped.no_sync() if skip_sync else contextlib.nullcontext()
             with sync:
                 if autocast_dtype is not None and not fsdp_casts:
-                    with torch.autocast("cpu", dtype=autocast_dtype):
+                    with torch.autocast(device, dtype=autocast_dtype):
                         out = wrapped(x)
                 else:
                     out = wrapped(x)
