@@ -134,6 +134,48 @@ def test_oss_keeps_the_optimizer_class_groups_and_hyperparameters():
     assert oss.optim.defaults["betas"] == (0.8, 0.9)
 
 
+def test_lr_scheduler_reaches_the_sharded_optimizer():
+    """A torch LR scheduler on the returned optimizer drives OSS and the optimizer it wraps."""
+    accel = accelkit.get("fairscale_oss", device="cpu")
+    model = torch.nn.Linear(3, 2)
+    model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    for _ in range(3):
+        accel.backward(model(torch.ones(2, 3)).sum())
+        accel.step()
+    assert scheduler.get_last_lr() == [0.125]
+    assert optimizer.optimizer.optim.param_groups[0]["lr"] == 0.25  # synced at the last step
+    assert optimizer.param_groups[0]["lr"] == 0.125
+
+
+@pytest.mark.parametrize("name", ["fairscale_oss", "fairscale_sdp"])
+def test_activation_checkpointing_keeps_the_numbers(name):
+    """setup(activation_checkpointing=True) recomputes the blocks in backward (one process)."""
+
+    def run(checkpointing: bool) -> list[float]:
+        accel = accelkit.get(name, device="cpu")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model, optimizer = accel.setup(
+            model, optimizer, activation_checkpointing=checkpointing or None
+        )
+        applied = [m for m in model.modules() if getattr(m, "_accelkit_checkpointed", False)]
+        assert len(applied) == (1 if checkpointing else 0)
+        x = torch.linspace(-1, 1, 12).reshape(3, 4)
+        losses = []
+        for _ in range(3):
+            loss = model(x).pow(2).mean()
+            accel.backward(loss)
+            accel.step()
+            losses.append(loss.item())
+        return losses
+
+    assert run(True) == run(False)
+
+
 # ---- GPU: the real coverage of FairScale FSDP (one GPU, so world size 1) -------------------------
 ACC, CLIP, EPOCHS = 3, 0.5, 2
 GPU_COMMON = dict(accumulation=ACC, max_norm=CLIP, epochs=EPOCHS)
@@ -179,6 +221,11 @@ def gpu_runs() -> dict[str, Any]:
                 "fsdp_bf16": dict(
                     backend="fairscale_fsdp", precision="bf16-mixed", options=cuda, **GPU_COMMON
                 ),
+                "fsdp_offload": dict(
+                    backend="fairscale_fsdp",
+                    options={**cuda, "move_params_to_cpu": True},
+                    **GPU_COMMON,
+                ),
             }
         },
         nproc=1,
@@ -197,11 +244,13 @@ def test_matches_raw_fairscale_fsdp_gpu(gpu_runs, name):
 
 
 @pytest.mark.gpu
-def test_fp32_matches_ddp_gpu(gpu_runs):
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_offload"])
+def test_fp32_matches_ddp_gpu(gpu_runs, name):
+    """fp32 FSDP, and with move_params_to_cpu (the optimizer steps on CPU shards), vs DDP."""
     from test_fairscale_oss_sdp import compare
 
-    diffs = compare(gpu_runs["accel"]["fsdp"], gpu_runs["raw"]["ddp"])
-    print("fsdp vs ddp on the GPU", diffs)
+    diffs = compare(gpu_runs["accel"][name], gpu_runs["raw"]["ddp"])
+    print(name, "vs ddp on the GPU", diffs)
     assert max(diffs.values()) <= GPU_DDP_RTOL, diffs
 
 
