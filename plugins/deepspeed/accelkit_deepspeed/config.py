@@ -98,6 +98,9 @@ _FP16_KEYS = {
     "min_loss_scale": "min_loss_scale",
 }
 
+#: DeepSpeed's ``gradient_clipping`` when a native config leaves it out (GRADIENT_CLIPPING_DEFAULT)
+DEEPSPEED_DEFAULT_CLIPPING = 1.0
+
 #: ZeRO stage of ``deepspeed`` without a config (a native config without one means DeepSpeed's 0)
 DEFAULT_STAGE = 2
 
@@ -296,6 +299,9 @@ def reconcile(
         accumulation_steps = gas
 
     clipping = native.get("gradient_clipping")
+    if options.ds_config is not None and "gradient_clipping" not in native:
+        # a native config keeps DeepSpeed's meaning, and DeepSpeed clips at 1.0 by default
+        clipping = DEEPSPEED_DEFAULT_CLIPPING if max_grad_norm is None else max_grad_norm
     if _is_set(clipping):
         if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping < 0:
             raise ConfigError(f"{owner}: gradient_clipping must be a number >= 0, got {clipping!r}")
@@ -326,7 +332,8 @@ def reconcile(
             "refused: DeepSpeed's ZeRO optimizers clip the loss-scaled fp16 autocast gradients "
             "before torch's GradScaler unscales them (checked on DeepSpeed 0.19.8: the update "
             "comes out ~65536x too small). Use bf16-mixed, 16-true (DeepSpeed's own fp16 loss "
-            "scaling), ZeRO stage 0, or no max_grad_norm."
+            "scaling), ZeRO stage 0, or no max_grad_norm (a native config without "
+            "'gradient_clipping' clips at DeepSpeed's default 1.0: set it to 0.0)."
         )
     if resolved == "16-true" and stage == 0:
         raise ConfigError(

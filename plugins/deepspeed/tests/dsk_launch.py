@@ -27,7 +27,12 @@ def free_port() -> int:
 
 
 def run_ranks(
-    target: str, kwargs: dict[str, Any] | None = None, *, nproc: int = 2, timeout: float = 300
+    target: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    nproc: int = 2,
+    timeout: float = 300,
+    device: str = "cpu",
 ) -> list[Any]:
     env = dict(os.environ)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -36,7 +41,7 @@ def run_ranks(
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        DS_ACCELERATOR="cpu",
+        DS_ACCELERATOR=device,
         PYTHONWARNINGS="ignore",
     )
     with tempfile.TemporaryDirectory(prefix="accelkit-ds-") as tmp:

@@ -120,9 +120,20 @@ def test_native_config_mixed_with_short_options_is_refused():
     ],
 )
 def test_precision_none_takes_the_native_configs(sections, expected):
-    options = dsconfig.parse("deepspeed", {"zero_optimization": {"stage": 2}, **sections}, {})
+    native = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.0, **sections}
+    options = dsconfig.parse("deepspeed", native, {})
     precision, _, _ = dsconfig.reconcile("deepspeed", options, None, 1, None)
     assert precision == expected
+
+
+def test_native_16_mixed_zero2_without_clipping_key_is_refused_too():
+    """DeepSpeed's default gradient_clipping is 1.0: the same broken combination."""
+    native = {
+        "zero_optimization": {"stage": 2},
+        "torch_autocast": {"enabled": True, "dtype": "fp16"},
+    }
+    with pytest.raises(ConfigError, match=r"default 1\.0"):
+        accelkit.get("deepspeed", native)
 
 
 def test_explicit_precision_that_disagrees_with_the_native_config_is_an_error():
@@ -148,6 +159,12 @@ def test_accumulation_and_clipping_reconcile_with_the_native_config():
         "deepspeed", {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}, {}
     )
     assert dsconfig.reconcile("deepspeed", auto, None, 3, 2.0) == ("32-true", 3, 2.0)
+    # a native config without the key keeps DeepSpeed's default, 1.0
+    silent = dsconfig.parse("deepspeed", {"zero_optimization": {"stage": 1}}, {})
+    assert dsconfig.reconcile("deepspeed", silent, None, 1, None)[2] == 1.0
+    assert dsconfig.reconcile("deepspeed", silent, None, 1, 0.25)[2] == 0.25
+    short = dsconfig.parse("deepspeed", None, {"zero_stage": 1})  # short options: accelkit's None
+    assert dsconfig.reconcile("deepspeed", short, None, 1, None)[2] is None
     off = dsconfig.parse("deepspeed", {"gradient_clipping": 0.0}, {})
     assert dsconfig.reconcile("deepspeed", off, None, 1, None)[2] is None
     with pytest.raises(ConfigError, match="disagrees"):  # the config says: no clipping
