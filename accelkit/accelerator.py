@@ -47,7 +47,9 @@ class Accelerator:
         self._schedulers: dict[int, list[tuple[Any, Any]]] = {}
         self._models: list[torch.nn.Module] = []
         self._loaders: list[AcceleratedDataLoader] = []
-        self._end_of_loader = False
+        #: loaders being iterated, the one that yielded the latest batch last (an evaluation
+        #: loop inside a training batch nests)
+        self._active_loaders: list[AcceleratedDataLoader] = []
         self._last: StepResult = StepResult()
         self._applied_steps = 0
 
@@ -366,11 +368,19 @@ class Accelerator:
 
         return move(data)
 
+    @property
+    def _end_of_loader(self) -> bool:
+        """Whether the current batch is the last of the innermost loader being iterated."""
+        return bool(self._active_loaders) and self._active_loaders[-1].is_last_batch
+
     def _on_batch(self, loader: AcceleratedDataLoader) -> None:
-        self._end_of_loader = loader.is_last_batch
+        if not self._active_loaders or self._active_loaders[-1] is not loader:
+            self._on_epoch_end(loader)
+            self._active_loaders.append(loader)
 
     def _on_epoch_end(self, loader: AcceleratedDataLoader) -> None:
-        self._end_of_loader = False
+        """``loader`` stopped being iterated (its epoch ended, or the loop left it)."""
+        self._active_loaders = [x for x in self._active_loaders if x is not loader]
 
     # ---- collectives --------------------------------------------------------------------------
     def barrier(self) -> None:
@@ -417,7 +427,7 @@ class Accelerator:
     def _last_batch_sizes(self) -> tuple[int, int] | None:
         """At an epoch's last batch from a padded sampler: (real samples, batch size) of this
         rank's batch; None elsewhere."""
-        for loader in self._loaders:
+        for loader in self._active_loaders[-1:]:  # the loader whose batch this is
             s = loader.sampler
             if loader.is_last_batch and s is not None and not s.drop_last:
                 rest = max(s.dataset_len - s.start, 0)

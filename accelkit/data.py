@@ -125,17 +125,21 @@ class AcceleratedDataLoader:
             self.sampler.start = self.consumed
         done = object()
         iterator = iter(self.loader)
-        upcoming = next(iterator, done)
-        while upcoming is not done:
-            batch = upcoming
+        try:
             upcoming = next(iterator, done)
-            self.is_last_batch = upcoming is done
-            if self.sampler is not None:
-                self.consumed = min(self.consumed + self._global_batch(), self.sampler.dataset_len)
-            self._accel._on_batch(self)
-            yield self._accel.to_device(batch) if self._move else batch
-        self.is_last_batch = False
-        self._accel._on_epoch_end(self)
+            while upcoming is not done:
+                batch = upcoming
+                upcoming = next(iterator, done)
+                self.is_last_batch = upcoming is done
+                if self.sampler is not None:
+                    self.consumed = min(
+                        self.consumed + self._global_batch(), self.sampler.dataset_len
+                    )
+                self._accel._on_batch(self)
+                yield self._accel.to_device(batch) if self._move else batch
+        finally:  # also when the loop leaves early (break): this loader is no longer current
+            self.is_last_batch = False
+            self._accel._on_epoch_end(self)
         if self.sampler is not None:
             self.epoch, self.consumed = self.epoch + 1, 0
 

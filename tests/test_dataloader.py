@@ -205,6 +205,24 @@ def data_worker(resume_state: dict, n: int) -> dict:
     out["eval_local"], out["eval_tensors"], out["eval_objects"] = local, tensors, objects
     out["eval_means"], out["eval_pairs"], out["eval_tokens"] = means, pairs, tokens
 
+    # validation run inside the last training batch, before its step (a common loop shape):
+    # the eval loader's gathers must not use the train loader's padding, and the train window
+    # must still close at the train loader's end
+    model = torch.nn.Linear(1, 1)
+    accel3 = accelkit.get("ddp", accumulation_steps=3)
+    model, _ = accel3.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train = index_loader(accel3, 7, 2)  # rank 1's last batch is padded
+    validation = index_loader(accel3, 8, 2)  # no padding
+    out["nested_eval"], out["nested_applied"] = [], []
+    for (batch,) in train:
+        accel3.backward(model(batch.float()[:, None]).sum())
+        if train.is_last_batch:
+            seen = []
+            for (v,) in validation:
+                seen += accel3.gather_for_metrics(v).tolist()
+            out["nested_eval"] = sorted(seen)
+        out["nested_applied"].append(accel3.step())
+
     draws = accel.setup_dataloader(
         torch.utils.data.DataLoader(RandomDraws(), batch_size=2, num_workers=1)
     )
@@ -270,6 +288,12 @@ def test_gather_for_metrics_drops_padded_duplicates(ranks):
         # a 0-d result per rank is not per-sample: one entry per rank, even at the last batch
         assert rank["eval_means"] == [[1.0, 2.0], [5.0, 2.5]]
         assert rank["eval_tokens"] == [8, 8]
+
+
+def test_evaluation_inside_the_last_training_batch(ranks):
+    for rank in ranks:
+        assert rank["nested_eval"] == list(range(8))
+        assert rank["nested_applied"] == [False, True]  # 2 batches per rank; closes at the end
 
 
 def test_dataloader_workers_get_distinct_streams_per_rank(ranks):
