@@ -33,6 +33,17 @@ MEASURED_FLOOR = 1.1e-7
 LOSS_RTOL = 1e-6
 
 
+def launch_ranks(target: str, kwargs: dict[str, Any], nproc: int = 2) -> list[Any]:
+    """``run_ranks``, retried once when the rendezvous port was taken meanwhile (other test
+    processes on this machine pick free ports too)."""
+    try:
+        return run_ranks(target, kwargs, nproc=nproc, timeout=300)
+    except AssertionError as err:
+        if "EADDRINUSE" not in str(err) and "address already in use" not in str(err):
+            raise
+        return run_ranks(target, kwargs, nproc=nproc, timeout=300)
+
+
 def _probe() -> list[float]:
     """One draw from each RNG (moves all of them, as a training step using them would)."""
     import numpy as np
@@ -131,9 +142,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results: dict[str, Any] = {"out": Path(out), "ckpt": ck}
 
     def launch(nproc: int, jobs: list[dict[str, Any]]) -> None:
-        per_rank = run_ranks(
-            "test_checkpoint_dist:jobs_worker", {"jobs": jobs}, nproc=nproc, timeout=300
-        )
+        per_rank = launch_ranks("test_checkpoint_dist:jobs_worker", {"jobs": jobs}, nproc=nproc)
         for index, job in enumerate(jobs):
             results[job["tag"]] = [rank_results[index] for rank_results in per_rank]
 

@@ -239,7 +239,7 @@ def _build_manifest(
     for t in tensors:
         t.fragments.sort(key=lambda f: f.flat_offset)
     objects = {}
-    for name in state_keys:
+    for name in [*state_keys, *(k for k in main["infos"] if k not in state_keys)]:
         info = main["infos"].get(name)
         if info is None:
             info = {"type": "module" if any(t.object == name for t in tensors) else "unknown"}
