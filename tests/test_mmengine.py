@@ -5,6 +5,9 @@ The reference is MMEngine's own Runner, run in a process that imports nothing fr
 a dataset, a metric and a hook that records what happened) with the one config change a user
 makes: ``runner_type='AccelkitRunner'`` or ``strategy=dict(type='AccelkitStrategy', ...)``.
 
+The end-to-end tests share module fixtures that run every configuration once (about a minute
+on 2 cores), so they are marked ``slow``; the unit tests at the end are fast.
+
 Noise floor: fp32 on this CPU is deterministic; two reference runs of the same config give
 bit-identical losses and weights (``test_reference_is_deterministic``), so the comparisons below
 are exact (``==``), not within a tolerance.
@@ -397,11 +400,13 @@ def _same_run(a: dict, b: dict) -> None:
         assert a[key] == b[key], f"{key} differs"
 
 
+@pytest.mark.slow
 def test_reference_is_deterministic(runs: Path) -> None:
     """The noise floor: MMEngine's own Runner twice, bit-identical."""
     _same_run(_record(runs, "ref_partial"), _record(runs, "ref_partial_again"))
 
 
+@pytest.mark.slow
 def test_config_exercises_accumulation_and_clipping(runs: Path) -> None:
     """Preconditions, so that the comparisons below can fail."""
     ref = _record(runs, "ref_partial")
@@ -412,6 +417,7 @@ def test_config_exercises_accumulation_and_clipping(runs: Path) -> None:
     assert ref["params"] != _record(runs, "ref_aligned")["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ak_partial", "ak_flex"])
 def test_same_losses_as_mmengine(runs: Path, name: str) -> None:
     """Runner and FlexibleRunner on accelkit's cpu backend reproduce MMEngine bit for bit:
@@ -419,10 +425,12 @@ def test_same_losses_as_mmengine(runs: Path, name: str) -> None:
     _same_run(_record(runs, name), _record(runs, "ref_partial"))
 
 
+@pytest.mark.slow
 def test_aligned_accumulation_same_as_mmengine(runs: Path) -> None:
     _same_run(_record(runs, "ak_aligned"), _record(runs, "ref_aligned"))
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_trajectory(runs: Path) -> None:
     full, first, second = (_record(runs, n) for n in ("ak_aligned", "ak_stop", "ak_resumed"))
     assert first["iter"] == 10 and first["iters"] + second["iters"] == full["iters"]
@@ -431,6 +439,7 @@ def test_resume_continues_the_same_trajectory(runs: Path) -> None:
     assert second["params"] == full["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["ak", "flex"])
 def test_resume_mid_window_follows_mmengine(runs: Path, prefix: str) -> None:
     """Resumed at iteration 10 with windows of 3: MMEngine keeps its global window count (the
@@ -441,6 +450,7 @@ def test_resume_mid_window_follows_mmengine(runs: Path, prefix: str) -> None:
     assert ours["params"] != _record(runs, "ref_partial")["params"]  # the lost micro-batch shows
 
 
+@pytest.mark.slow
 def test_checkpoint_hook_writes_portable_checkpoints(runs: Path) -> None:
     work = runs / "ak_resume"
     # max_keep_ckpts=1: only the last one is left, and it was removed only after epoch_3 existed
@@ -456,6 +466,7 @@ def test_checkpoint_hook_writes_portable_checkpoints(runs: Path) -> None:
         assert not path.read_bytes().startswith(b"\x80"), path
 
 
+@pytest.mark.slow
 def test_pickled_checkpoint_needs_trust(runs: Path) -> None:
     err = json.loads((runs / "ak_untrusted.error.json").read_text())
     assert err["type"] == "CheckpointError"
@@ -463,12 +474,14 @@ def test_pickled_checkpoint_needs_trust(runs: Path) -> None:
     assert not (runs / "ak_untrusted.rank0.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ["ak", "flex"])
 def test_resume_from_mmengine_pth(runs: Path, prefix: str) -> None:
     """MMEngine's own epoch_1.pth (pickled, trusted) resumes under accelkit as MMEngine would."""
     _same_run(_record(runs, f"{prefix}_from_mmengine"), _record(runs, "ref_resumed"))
 
 
+@pytest.mark.slow
 def test_load_from_plain_state_dict_needs_no_trust(runs: Path) -> None:
     """A .pth holding only tensors (weights exported for deployment) loads without trust_pickle."""
     loaded, ref = _record(runs, "ak_plain_load"), _record(runs, "ref_partial")
@@ -479,12 +492,14 @@ def test_load_from_plain_state_dict_needs_no_trust(runs: Path) -> None:
     ("ours", "theirs"),
     [("ak_ema", "ref_ema"), ("ak_ema_resumed", "ref_ema_resumed"), ("ak_ema_load", "ref_ema_load")],
 )
+@pytest.mark.slow
 def test_ema_hook_as_in_mmengine(runs: Path, ours: str, theirs: str) -> None:
     """EMAHook: validation on the averaged weights, its state saved and resumed, and load_from
     giving the model the averaged weights, all as with MMEngine's own Runner."""
     _same_run(_record(runs, ours), _record(runs, theirs))
 
 
+@pytest.mark.slow
 def test_ema_changes_what_validation_sees(runs: Path) -> None:
     ema, plain = _record(runs, "ref_ema"), _record(runs, "ref_partial")
     assert ema["params"] == plain["params"]  # the EMA does not touch training
@@ -527,6 +542,7 @@ def broken_runs(runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     ("name", "named"), [("flipped", "rank-00000.safetensors"), ("no_manifest", "accelkit.json")]
 )
+@pytest.mark.slow
 def test_resume_from_damaged_checkpoint_fails(broken_runs: Path, name: str, named: str) -> None:
     """Negative twins of the resume test: a flipped bit, a missing manifest."""
     err = json.loads((broken_runs / f"{name}.error.json").read_text())

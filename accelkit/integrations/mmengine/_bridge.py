@@ -59,6 +59,14 @@ class Bridge:
             kwargs = accelerator_kwargs(self.adapter, settings)
             self.accelerator = accelkit.get(self.adapter.backend, **kwargs)
             log.info("MMEngine on accelkit: %r", self.accelerator)
+            launched = distributed.launched_world_size()
+            if launched > 1 and not self.accelerator.capabilities.distributed:
+                log.warning(
+                    "backend %r runs one process on its own: the %d launched processes will not "
+                    "synchronise gradients (use a distributed backend such as 'ddp')",
+                    self.accelerator.name,
+                    launched,
+                )
         return self.accelerator
 
     @property

@@ -149,7 +149,10 @@ class AccelkitStrategy(BaseStrategy):
             before_model=callback,
         )
         if resume_param_scheduler and hasattr(self, "param_schedulers"):
-            self.load_scheduler_state_dict(checkpoint.pop("param_schedulers"))
+            if "param_schedulers" in checkpoint:
+                self.load_scheduler_state_dict(checkpoint.pop("param_schedulers"))
+            else:
+                self.logger.warning(f"{filename} holds no parameter scheduler state")
         resumed_seed = checkpoint["meta"].get("seed", None)
         current_seed = self._randomness.get("seed")
         if resumed_seed is not None and resumed_seed != current_seed:
