@@ -30,20 +30,23 @@ for p in "$@"; do
   case "$p" in
     tests)
       part tests
-      python3 -m pytest -q -p no:cacheprovider -m gpu -o addopts="" tests plugins 2>&1 | tail -40 | tee "$OUTDIR/gpu-tests.log" ;;
+      timeout 300 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 240 tests plugins 2>&1 | tail -60 | tee "$OUTDIR/gpu-tests.log" ;;
     overhead)
       part overhead
       python3 bench/overhead.py --device cuda --model mlp --repeats 7 --out "$OUTDIR/overhead-mlp.json" 2>&1 | tail -15 | tee "$OUTDIR/overhead.log"
       python3 bench/overhead.py --device cuda --model gpt --repeats 5 --out "$OUTDIR/overhead-gpt.json" 2>&1 | tail -15 | tee -a "$OUTDIR/overhead.log" ;;
     fsdp)
       part fsdp
-      python3 bench/fsdp_gpt.py --steps 20 --repeats 5 --out "$OUTDIR/fsdp.json" 2>&1 | tail -20 | tee "$OUTDIR/fsdp.log" ;;
+      timeout 200 python3 bench/fsdp_gpt.py --fused --steps 20 --repeats 5 --out "$OUTDIR/fsdp.json" 2>&1 | tail -20 | tee "$OUTDIR/fsdp.log" ;;
     deepspeed)
       part deepspeed
-      python3 bench/deepspeed_gpt.py --out "$OUTDIR/deepspeed.json" 2>&1 | tail -30 | tee "$OUTDIR/deepspeed.log" ;;
+      timeout 280 python3 bench/deepspeed_gpt.py --sweep --out "$OUTDIR/deepspeed.json" 2>&1 | tail -40 | tee "$OUTDIR/deepspeed.log" ;;
     checkpoint)
       part checkpoint
-      python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
+      timeout 150 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
+    fairscale)
+      part fairscale
+      timeout 150 python3 plugins/fairscale/bench/fsdp_step_time.py --out "$OUTDIR/fairscale.json" 2>&1 | tail -20 | tee "$OUTDIR/fairscale.log" ;;
     *) echo "unknown part $p" ;;
   esac
 done
