@@ -46,7 +46,7 @@ for p in "$@"; do
       timeout 150 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
     fairscale)
       part fairscale
-      timeout 150 python3 plugins/fairscale/bench/fsdp_step_time.py --out "$OUTDIR/fairscale.json" 2>&1 | tail -20 | tee "$OUTDIR/fairscale.log" ;;
+      timeout 150 python3 plugins/fairscale/bench/fsdp_step_time.py 2>&1 | tail -20 | tee "$OUTDIR/fairscale.log" ;;
     *) echo "unknown part $p" ;;
   esac
 done
