@@ -1,0 +1,181 @@
+"""Raw references for the ColossalAI plugin tests: ColossalAI's Booster used as its own docs show
+it (TorchDDPPlugin, LowLevelZeroPlugin), and plain torch DDP.
+
+This module imports NOTHING from accelkit (nor from the accelkit-side workers); its model, data
+and loop are its own. It runs under ``torchrun`` (2 gloo processes on the CPU, nccl on CUDA) and
+returns, per run, the rank-averaged loss of every micro-batch, the gradient norm of every
+optimizer step and the final full parameters.
+
+The loop is the one accelkit promises (DESIGN.md): every micro-batch loss is divided by the
+accumulation steps N; the optimizer steps after N micro-batches or at the loader's last batch,
+whichever comes first (a short last window is still scaled by 1/N); clipping is the plugin's
+``max_norm`` (LowLevelZero) or ``clip_grad_norm_`` (DDP, TorchDDPPlugin).
+
+On the CPU, ColossalAI 0.5.0 needs the small workaround below (:func:`_cpu_workaround`) for
+LowLevelZero: written here independently of the plugin's, so the reference shares no code with
+the code under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IN, HIDDEN, OUT = 7, 13, 5  # odd sizes: ZeRO pads every parameter at world size 2
+SAMPLES, BATCH = 28, 2  # 14 samples per rank -> 7 micro-batches per epoch
+SEED, LR = 1234, 0.05
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(99)
+    x = torch.randn(SAMPLES, IN, generator=generator)
+    y = torch.randn(SAMPLES, OUT, generator=generator) * 2
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _cpu_workaround() -> None:
+    """ColossalAI's CpuAccelerator raises on stream/synchronize calls and LowLevelZero asserts a
+    CUDA device; give the CPU accelerator no-op streams and drop only the device assertion."""
+    from colossalai.accelerator import api
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    class Accel(CpuAccelerator):
+        def synchronize(self, device=None):
+            pass
+
+        def Stream(self, *args, **kwargs):
+            return None
+
+        def current_stream(self, device=None):
+            return None
+
+        def stream(self, stream_):
+            return contextlib.nullcontext()
+
+    api.set_accelerator(Accel())
+    LowLevelZeroOptimizer._sanity_checks = lambda self: None
+
+
+def _init(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+def _mean(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return float(value) / dist.get_world_size()
+
+
+def _full_params(module: torch.nn.Module) -> dict[str, list[float]]:
+    return {
+        k: v.detach().float().cpu().reshape(-1).tolist() for k, v in module.state_dict().items()
+    }
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One run. ``cfg``: kind (torch_ddp | booster_ddp | booster_zero), stage, precision (fp32 |
+    bf16), accumulation, max_norm, epochs, device."""
+    kind = cfg["kind"]
+    device = torch.device(cfg.get("device", "cpu"))
+    model = build_model().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    steps = cfg.get("accumulation", 1)
+    max_norm = cfg.get("max_norm")
+    booster = None
+    if kind == "torch_ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from colossalai.booster import Booster
+        from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+
+        if kind == "booster_ddp":
+            plugin = TorchDDPPlugin()
+        else:
+            plugin = LowLevelZeroPlugin(
+                stage=cfg["stage"],
+                precision=cfg.get("precision", "fp32"),
+                max_norm=max_norm or 0.0,
+                overlap_communication=device.type == "cuda",
+            )
+        booster = Booster(plugin=plugin)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+    loader = _loader()
+    losses: list[float] = []
+    norms: list[float] = []
+    low = torch.bfloat16 if cfg.get("precision") == "bf16" else None
+    for epoch in range(cfg.get("epochs", 1)):
+        loader.sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            x, y = x.to(device), y.to(device)
+            out = model(x.to(low) if low is not None else x)
+            loss = F.mse_loss(out.float(), y)
+            losses.append(_mean(loss))
+            if booster is not None:
+                booster.backward(loss / steps, optimizer)
+            else:
+                (loss / steps).backward()
+            if (i + 1) % steps and i + 1 != len(loader):
+                continue
+            if kind == "booster_zero":
+                optimizer.step()
+                if max_norm is not None:
+                    norms.append(float(optimizer.get_grad_norm()))
+            else:
+                params = [p for p in model.parameters() if p.grad is not None]
+                if max_norm is not None:
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+                optimizer.step()
+            optimizer.zero_grad()
+    inner = model.unwrap() if booster is not None else model.module
+    return {"losses": losses, "norms": norms, "params": _full_params(inner)}
+
+
+def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every cfg in one process pair (ColossalAI's import is paid once)."""
+    device = _init(cfgs[0].get("device", "cpu") if cfgs else "cpu")
+    if device.type == "cpu" and any(c["kind"] == "booster_zero" for c in cfgs):
+        _cpu_workaround()
+    out = {}
+    for cfg in cfgs:
+        out[cfg["name"]] = run({**cfg, "device": device.type})
+    dist.destroy_process_group()
+    return out
+
+
+def max_abs(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    """Largest element difference between two parameter dumps (same keys)."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = 0.0
+    for key in a:
+        for u, v in zip(a[key], b[key], strict=True):
+            worst = max(worst, abs(u - v) if math.isfinite(u - v) else math.inf)
+    return worst

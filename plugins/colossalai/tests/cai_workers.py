@@ -1,0 +1,176 @@
+"""accelkit side of the ColossalAI plugin tests (runs under torchrun, one job after another in the
+same processes so ColossalAI is imported once). Its model and data are written here again, on
+purpose: the raw references (cai_reference.py) share no code with this side."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import accelkit
+
+IN, HIDDEN, OUT = 7, 13, 5
+SAMPLES, BATCH = 28, 2
+SEED, LR = 1234, 0.05
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
+
+
+def _data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(99)
+    x = torch.randn(SAMPLES, IN, generator=generator)
+    y = torch.randn(SAMPLES, OUT, generator=generator) * 2
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _mean(value: torch.Tensor) -> float:
+    value = value.detach().float().cpu().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        return float(value) / dist.get_world_size()
+    return float(value)
+
+
+def _flat(tensors: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    return {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in tensors.items()}
+
+
+def _build(job: dict[str, Any]):
+    accel = accelkit.get(
+        job["backend"],
+        job.get("options"),
+        precision=job.get("precision"),
+        accumulation_steps=job.get("accumulation", 1),
+        max_grad_norm=job.get("max_norm"),
+        track_grad_norm=job.get("track_grad_norm", False),
+    )
+    model, optimizer = accel.setup(_model(), torch.optim.Adam(_model().parameters(), lr=LR))
+    return accel, model, optimizer
+
+
+def _fresh_optimizer_check(accel: Any, model: Any, optimizer: Any) -> None:
+    """The optimizer from setup() is a torch Optimizer whose param_groups a scheduler drives."""
+    assert isinstance(optimizer, torch.optim.Optimizer)
+
+
+def train(job: dict[str, Any]) -> dict[str, Any]:
+    accel = accelkit.get(
+        job["backend"],
+        job.get("options"),
+        precision=job.get("precision"),
+        accumulation_steps=job.get("accumulation", 1),
+        max_grad_norm=job.get("max_norm"),
+        track_grad_norm=job.get("track_grad_norm", False),
+    )
+    net = _model()
+    model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=LR))
+    _fresh_optimizer_check(accel, model, optimizer)
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False), shuffle=False
+    )
+    losses, norms, skipped_sync = [], [], []
+    for epoch in range(job.get("epochs", 1)):
+        for x, y in loader:
+            with accel.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                accel.backward(loss)
+            losses.append(_mean(loss))
+            if accel.step():
+                if job.get("max_norm") is not None or job.get("track_grad_norm"):
+                    norms.append(float(accel.grad_norm))
+                skipped_sync.append(accel.step_was_skipped)
+            optimizer.zero_grad()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": _flat(accel.full_state_dict(model)),
+        "applied": accel.applied_steps,
+        "epochs_done": epoch + 1,
+        "no_sync": accel.capabilities.no_sync,
+    }
+
+
+def trains(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {job["name"]: train(job) for job in jobs}
+
+
+# ---- checkpoints --------------------------------------------------------------------------
+def _independent_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Weights and optimizer state gathered WITHOUT accelkit's checkpoint code: torch state
+    dicts, and for LowLevelZero ColossalAI's own gathering ``optimizer.state_dict()``."""
+    inner = accel.unwrap(model)
+    wrapper = getattr(accel.backend, "optimizer", None)
+    if wrapper is not None and hasattr(wrapper, "state_dict") and "zero" in accel.name:
+        opt_state = wrapper.state_dict()
+    else:
+        opt_state = optimizer.state_dict()
+    optim = {}
+    for index, entry in opt_state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                optim[f"{index}.{key}"] = value.detach().float().cpu().reshape(-1).tolist()
+    return {"params": _flat(inner.state_dict()), "optim": optim}
+
+
+def _master_shards(accel: Any) -> list[list[float]]:
+    wrapper = getattr(accel.backend, "optimizer", None)
+    groups = getattr(wrapper, "_master_param_groups_of_current_rank", None)
+    if not groups:
+        return []
+    return [m.detach().float().cpu().tolist() for ms in groups.values() for m in ms]
+
+
+def ckpt_job(job: dict[str, Any]) -> dict[str, Any]:
+    accel = accelkit.get(
+        job["backend"], job.get("options"), precision=job.get("precision"), max_grad_norm=1.0
+    )
+    net = _model()
+    model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=LR))
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_data(), batch_size=job.get("batch", BATCH), shuffle=True),
+        shuffle=True,
+    )
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    out: dict[str, Any] = {"losses": {}}
+    if job.get("load_from"):
+        try:
+            accel.load(job["load_from"], state)
+        except Exception as err:  # the negative twins report their error
+            out["error"] = f"{type(err).__name__}: {err}"
+            return out
+        out["after_load"] = _independent_state(accel, model, optimizer)
+        out["masters_after_load"] = _master_shards(accel)
+    step = accel.applied_steps
+    start = job.get("start", 0)
+    for x, y in loader:
+        loss = F.mse_loss(model(x), y)
+        accel.backward(loss)
+        accel.step()
+        optimizer.zero_grad()
+        step += 1
+        out["losses"][str(start + step)] = _mean(loss)
+        if job.get("save_to") and start + step == job["save_at"]:
+            out["at_save"] = _independent_state(accel, model, optimizer)
+            out["masters_at_save"] = _master_shards(accel)
+            accel.save(job["save_to"], state)
+        if start + step >= job["total"]:
+            break
+    return out
+
+
+def ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ.setdefault("ACCELKIT_LOG_LEVEL", "WARNING")
+    return {job["name"]: ckpt_job(job) for job in jobs}
