@@ -166,7 +166,8 @@ def _fsdp_full_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> 
 
 def native_full_state(backend: str, model: Any, optimizer: Any) -> dict[str, Any]:
     """The full parameters and optimizer state gathered WITHOUT accelkit's checkpoint code:
-    torch's state_dict for cpu/ddp, OSS.consolidate_state_dict for fairscale_oss/sdp, FairScale
+    torch's state_dict for cpu/ddp, torch's get_model/optimizer_state_dict(full_state_dict) for
+    fsdp (FSDP2), OSS.consolidate_state_dict for fairscale_oss/sdp, FairScale
     FSDP's state_dict() for the parameters and a test-side gather of the optimizer's flat shards
     (see _fsdp_full_optimizer_state). Optimizer state is None on ranks OSS does not hand it to."""
     import torch.distributed as dist
@@ -176,6 +177,20 @@ def native_full_state(backend: str, model: Any, optimizer: Any) -> dict[str, Any
     if backend == "fairscale_fsdp":
         params = {k: v.detach().float().flatten().tolist() for k, v in model.state_dict().items()}
         return {"params": params, "optim": _fsdp_full_optimizer_state(model, inner_opt)}
+    if backend == "fsdp":  # torch FSDP2: torch's own full state dicts, keyed by name
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        params = get_model_state_dict(model, options=full)
+        optim = get_optimizer_state_dict(model, inner_opt, options=full)["state"]
+        return {
+            "params": {k: v.detach().float().flatten().tolist() for k, v in params.items()},
+            "optim": _to_json_state(optim),
+        }
     user = model.module if hasattr(model, "module") else model
     params = {k: v.detach().float().flatten().tolist() for k, v in user.state_dict().items()}
     names = _param_names(user)

@@ -47,7 +47,7 @@ def flip_byte_of(directory: Path, file: str, kind: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fairscale-ckpt")
-    ck = {name: str(root / name) for name in ("oss", "ddp", "sdp", "cpu")}
+    ck = {name: str(root / name) for name in ("oss", "ddp", "sdp", "cpu", "fsdp")}
     common = dict(total=TOTAL, save_at=SAVE_AT)
     two = run_ranks(
         "fs_workers:ckpt_jobs",
@@ -56,6 +56,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                 dict(name="oss", backend="fairscale_oss", save_to=ck["oss"], **common),
                 dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
                 dict(name="sdp", backend="fairscale_sdp", save_to=ck["sdp"], **common),
+                dict(name="fsdp", backend="fsdp", save_to=ck["fsdp"], **common),
             ]
         },
     )
@@ -82,6 +83,8 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         ("sdp<-ddp", "fairscale_sdp", ck["ddp"]),
         ("oss<-sdp", "fairscale_oss", ck["sdp"]),
         ("oss<-cpu", "fairscale_oss", ck["cpu"]),
+        ("fsdp<-oss", "fsdp", ck["oss"]),
+        ("sdp<-fsdp", "fairscale_sdp", ck["fsdp"]),
         ("oss<-flipped", "fairscale_oss", str(flipped)),
         ("oss<-missing", "fairscale_oss", str(missing)),
     ]
@@ -114,7 +117,7 @@ def _losses(job: dict[str, Any]) -> dict[int, float]:
 
 
 def test_sources_trained(runs):
-    for name in ("oss", "ddp", "sdp", "cpu"):
+    for name in ("oss", "ddp", "sdp", "cpu", "fsdp"):
         job = _rank0(runs, name)
         assert sorted(_losses(job)) == list(range(TOTAL))
 
@@ -126,24 +129,33 @@ def test_same_backend_resume_is_bit_exact(runs):
     assert _losses(resumed) == tail
 
 
-@pytest.mark.parametrize(
-    "name", ["ddp<-oss", "sdp<-oss", "oss<-ddp", "sdp<-ddp", "oss<-sdp", "oss<-cpu", "cpu<-oss"]
-)
+CROSS = [
+    "ddp<-oss",
+    "sdp<-oss",
+    "oss<-ddp",
+    "sdp<-ddp",
+    "oss<-sdp",
+    "oss<-cpu",
+    "cpu<-oss",
+    "fsdp<-oss",
+    "sdp<-fsdp",
+]
+
+
+@pytest.mark.parametrize("name", CROSS)
 def test_transfer_is_lossless(runs, name):
     """Bit for bit: the target's own gather after the load equals the source's at the save."""
     loaded, saved = _rank0(runs, name), _rank0(runs, _source(name))
     assert loaded["after_load"]["params"] == saved["at_save"]["params"]
     assert loaded["after_load"]["optim"] is not None and saved["at_save"]["optim"] is not None
     assert loaded["after_load"]["optim"] == saved["at_save"]["optim"]
-    # every rank received the same parameters (replicas)
+    # every rank received the same parameters (replicas; FSDP2's gather is full on each rank)
     if not name.startswith("cpu"):
         other = runs["ranks"][1][name]["after_load"]["params"]
         assert other == saved["at_save"]["params"]
 
 
-@pytest.mark.parametrize(
-    "name", ["ddp<-oss", "sdp<-oss", "oss<-ddp", "sdp<-ddp", "oss<-sdp", "oss<-cpu", "cpu<-oss"]
-)
+@pytest.mark.parametrize("name", CROSS)
 def test_loss_curve_tracks_the_uninterrupted_run(runs, name):
     resumed = _losses(_rank0(runs, name))
     original = _losses(_rank0(runs, _source(name)))

@@ -29,7 +29,7 @@ TOTAL, SAVE_AT = 10, 6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fairscale-fsdp-ckpt")
-    ck = {name: str(root / name) for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16")}
+    ck = {name: str(root / name) for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2")}
     common = dict(total=TOTAL, save_at=SAVE_AT)
     shim = dict(backend="fairscale_fsdp", shim=True)
     two = run_ranks(
@@ -38,6 +38,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
             "jobs": [
                 dict(name="fsdp", save_to=ck["fsdp"], **shim, **common),
                 dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
+                dict(name="fsdp2", backend="fsdp", save_to=ck["fsdp2"], **common),
                 dict(
                     name="fsdp16",
                     save_to=ck["fsdp16"],
@@ -72,6 +73,8 @@ def runs(tmp_path_factory) -> dict[str, Any]:
         ("fsdp_not_flat<-fsdp", "fairscale_fsdp", ck["fsdp"]),
         ("fsdp<-flipped", "fairscale_fsdp", str(flipped)),
         ("fsdp16<-fsdp16", "fairscale_fsdp", ck["fsdp16"]),
+        ("fsdp2<-fsdp", "fsdp", ck["fsdp"]),
+        ("fsdp<-fsdp2", "fairscale_fsdp", ck["fsdp2"]),
         ("ddp<-fsdp16", "ddp", ck["fsdp16"]),
     ]
     jobs = []
@@ -104,7 +107,7 @@ def _losses(job: dict[str, Any]) -> dict[int, float]:
 
 
 def test_sources_trained_shim(runs):
-    for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16"):
+    for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2"):
         assert sorted(_losses(_job(runs, name))) == list(range(TOTAL))
 
 
@@ -120,7 +123,16 @@ def test_same_backend_resume_is_bit_exact_shim(runs, name):
 
 @pytest.mark.parametrize(
     "name",
-    ["ddp<-fsdp", "fsdp<-ddp", "fsdp<-fsdp_w1", "cpu<-fsdp", "fsdp_not_flat<-fsdp", "ddp<-fsdp16"],
+    [
+        "ddp<-fsdp",
+        "fsdp<-ddp",
+        "fsdp<-fsdp_w1",
+        "cpu<-fsdp",
+        "fsdp_not_flat<-fsdp",
+        "ddp<-fsdp16",
+        "fsdp2<-fsdp",
+        "fsdp<-fsdp2",
+    ],
 )
 def test_transfer_is_lossless_shim(runs, name):
     loaded, saved = _job(runs, name), _job(runs, name.split("<-")[1])
@@ -130,7 +142,16 @@ def test_transfer_is_lossless_shim(runs, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ddp<-fsdp", "fsdp<-ddp", "fsdp<-fsdp_w1", "cpu<-fsdp", "fsdp_not_flat<-fsdp"]
+    "name",
+    [
+        "ddp<-fsdp",
+        "fsdp<-ddp",
+        "fsdp<-fsdp_w1",
+        "cpu<-fsdp",
+        "fsdp_not_flat<-fsdp",
+        "fsdp2<-fsdp",
+        "fsdp<-fsdp2",
+    ],
 )
 def test_loss_curve_tracks_the_uninterrupted_run_shim(runs, name):
     resumed = _losses(_job(runs, name))
