@@ -153,9 +153,7 @@ def _unit_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
     kept = []
     for block in blocks:
         members = {id(m) for m in block.modules()}
-        if any(
-            (mods & members) and (mods - members) for pid, mods in owners.items() if len(mods) > 1
-        ):
+        if any((mods & members) and (mods - members) for mods in owners.values() if len(mods) > 1):
             log.info(
                 "fairscale_fsdp: %s shares parameters outside itself; it stays in its "
                 "parent's unit",

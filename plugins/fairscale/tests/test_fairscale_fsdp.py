@@ -48,6 +48,47 @@ def test_describe_publishes_the_dtype_tables():
     assert "ShardedGradScaler" in sdp["dtypes"]["16-mixed"]["compute"]
 
 
+# ---- the wrap policy (pure module selection; no FairScale needed) ------------------------------
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(3, 2)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Sequential(torch.nn.Linear(2, 3, bias=False))
+        self.head[0].weight = self.embed.weight  # tied across the head stack and the root
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (True, ["blocks.0", "blocks.1"]),  # head.0 shares the embedding: stays in the root
+        ("_Block", ["blocks.0", "blocks.1"]),
+        ([_Block], ["blocks.0", "blocks.1"]),
+        (lambda m: isinstance(m, torch.nn.Linear), ["blocks.0.linear", "blocks.1.linear"]),
+        (False, []),
+    ],
+)
+def test_wrap_policy_selects_units(policy, expected):
+    from accelkit_fairscale.fsdp import _unit_blocks
+
+    model = _Tied()
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(b)] for b in _unit_blocks(model, policy)] == expected
+
+
+def test_wrap_policy_names_a_missing_class():
+    from accelkit_fairscale.fsdp import _unit_blocks
+
+    with pytest.raises(ConfigError, match="Nope"):
+        _unit_blocks(_Tied(), ["Nope"])
+
+
 # ---- what it does on a CPU without CUDA --------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_refuses_on_a_cpu_without_cuda():
