@@ -94,7 +94,13 @@ def _load(
     backend: Any, path: Any, state: dict[str, Any], *, strict: bool, rng: bool, verify: bool
 ) -> dict[str, Any]:
     directory = storage.resolve(path)
-    reader = CheckpointReader(directory, strict=strict, verify=verify)
+    with CheckpointReader(directory, strict=strict, verify=verify) as reader:
+        return _load_from(backend, reader, state, rng=rng)
+
+
+def _load_from(
+    backend: Any, reader: CheckpointReader, state: dict[str, Any], *, rng: bool
+) -> dict[str, Any]:
     objects = classify_state(state)
     saved = reader.manifest.objects
     missing = [name for name in state if name not in saved]
@@ -115,6 +121,7 @@ def _load(
             tensor_state[name] = obj
     if tensor_state:
         backend.load_fragments(reader, tensor_state)
+    reader.finish()  # background checksums of what was read straight into place
 
     for group in (objects.schedulers, objects.statefuls):
         for name, obj in group.items():
@@ -160,4 +167,5 @@ def _load(
             unconsumed[name] = extras[name]
         elif kind in ("scheduler", "stateful"):
             unconsumed[name] = decode(info["state"], reader.tensor_source(name, "state"))
+    reader.finish()
     return unconsumed

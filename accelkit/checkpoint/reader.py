@@ -1,16 +1,28 @@
 """Reading a portable checkpoint: ranges of any tensor, checked against their checksums.
 
-Every fragment is read through ``safetensors.safe_open(...).get_slice``, so a rank reads only the
-ranges it needs, whatever world size or backend wrote them. A fragment is verified (SHA-256 of
-its bytes) the first time any part of it is read, which reads that whole fragment once: peak
-extra memory is about one fragment.
+A rank reads only the ranges it needs, whatever world size or backend wrote them. The rank
+files are plain safetensors (any ``safe_open(...).get_slice`` reads them); this reader parses
+their headers itself and reads each range with one positional read straight into the
+destination tensor, so a load costs no extra host memory where the destination is a CPU
+tensor of the stored dtype, and one bounded staging chunk otherwise (a device tensor, a cast,
+or a part of a fragment). No ``mmap``: page-cache pages are not pinned into the process.
+
+Checksums: a fragment is verified (SHA-256 of its bytes) the first time any part of it is
+read. Read whole into its destination, it is hashed there in a background thread while the
+next one is read; :meth:`CheckpointReader.finish` waits for those and raises on a mismatch
+(``load`` calls it before returning). Read in part, the whole fragment streams through the
+hash in chunks, checked at once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,20 +33,54 @@ from accelkit.checkpoint.manifest import (
     EXTRA_OBJECT,
     MANIFEST_NAME,
     RNG_OBJECT,
+    FragmentRecord,
     Manifest,
     TensorEntry,
 )
-from accelkit.checkpoint.safetensors_io import DTYPE_TO_ST, DTYPES_BY_NAME, tensor_bytes
+from accelkit.checkpoint.safetensors_io import (
+    DTYPE_TO_ST,
+    DTYPES_BY_NAME,
+    ST_TO_DTYPE,
+    read_header,
+    tensor_bytes,
+)
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
+
+#: bytes per staged read (device destinations, casts, partial fragments, hashing-only reads)
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class _RankFile:
+    fd: int
+    header: dict[str, Any]
+    data_start: int
+    size: int
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (positional: threads may share the fd)."""
+    done = 0
+    total = view.nbytes
+    while done < total:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+def _digest(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
 
 
 class CheckpointReader:
     """Random access to the tensors of one checkpoint (a directory, or one with ``latest``).
 
     Backends use :meth:`entry` / :meth:`read_flat` in ``load_fragments``; the rest serves the
-    default loader and the tools.
+    default loader and the tools. Call :meth:`finish` (``load`` does) before trusting what was
+    read, and :meth:`close` (or use it as a context manager) to release the files.
     """
 
     def __init__(
@@ -54,79 +100,163 @@ class CheckpointReader:
         for t in self.manifest.tensors:
             for f in t.fragments:
                 self._by_file.setdefault(f.file, []).append(t.label)
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, _RankFile] = {}
         self._verified: set[tuple[str, str]] = set()
+        self._pending: list[tuple[Future, TensorEntry, FragmentRecord]] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._stage: torch.Tensor | None = None
+        self._lock = threading.Lock()
         self.check_files()
 
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for f in self._files.values():
+            os.close(f.fd)
+        self._files.clear()
+
+    def __del__(self) -> None:
+        try:
+            for f in self._files.values():
+                os.close(f.fd)
+        except Exception:
+            pass
+
     # ---- integrity ----------------------------------------------------------------------------
+    def _holds(self, name: str) -> str:
+        tensors = self._by_file.get(name, [])
+        if not tensors:
+            return ""
+        shown = ", ".join(tensors[:3]) + (
+            f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
+        )
+        return f"; it holds tensors {shown}"
+
     def check_files(self) -> None:
         """Every file the manifest lists exists with the recorded size (a truncated or missing
         rank file fails here, before any tensor is touched)."""
         for name, info in self.manifest.files.items():
             path = self.directory / name
-            tensors = self._by_file.get(name, [])
-            names = ", ".join(tensors[:3]) + (
-                f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
-            )
             if not path.is_file():
                 raise CheckpointError(
-                    f"{path}: file missing from the checkpoint"
-                    + (f"; it holds tensors {names}" if tensors else "")
+                    f"{path}: file missing from the checkpoint{self._holds(name)}"
                 )
             size = path.stat().st_size
             if "bytes" in info and size != int(info["bytes"]):
                 raise CheckpointError(
                     f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or "
-                    f"replaced)" + (f"; it holds tensors {names}" if tensors else "")
+                    f"replaced){self._holds(name)}"
                 )
 
-    def _handle(self, file: str) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            from safetensors import safe_open
-
-            path = self.directory / file
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as err:
-                raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
-            self._handles[file] = handle
-        return handle
-
-    def _slice(self, entry: TensorEntry, file: str, key: str, numel: int) -> Any:
-        path = self.directory / file
+    def _file(self, name: str) -> _RankFile:
+        rank_file = self._files.get(name)
+        if rank_file is not None:
+            return rank_file
+        path = self.directory / name
         try:
-            piece = self._handle(file).get_slice(key)
-        except Exception as err:
+            header, data_start = read_header(path)
+            size = path.stat().st_size
+            fd = os.open(path, os.O_RDONLY)
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+        rank_file = _RankFile(fd, header, data_start, size)
+        self._files[name] = rank_file
+        return rank_file
+
+    def _locate(
+        self, entry: TensorEntry, frag: FragmentRecord
+    ) -> tuple[_RankFile, int, torch.dtype]:
+        """The file, the byte offset of the fragment's first element, and its stored dtype,
+        after checking the file's header agrees with the manifest."""
+        path = self.directory / frag.file
+        rank_file = self._file(frag.file)
+        info = rank_file.header.get(frag.key)
+        if not isinstance(info, dict):
             raise CheckpointError(
-                f"{path}: key {key} of tensor {entry.label} is not in the file ({err})"
-            ) from err
-        dtype_code = piece.get_dtype()
-        if dtype_code != DTYPE_TO_ST.get(DTYPES_BY_NAME.get(entry.dtype)):
+                f"{path}: key {frag.key} of tensor {entry.label} is not in the file"
+            )
+        stored = DTYPES_BY_NAME.get(entry.dtype)
+        code = info.get("dtype")
+        if stored is None or code != DTYPE_TO_ST.get(stored):
             raise CheckpointError(
-                f"{path}: key {key} of tensor {entry.label} is {dtype_code}, the manifest says "
+                f"{path}: key {frag.key} of tensor {entry.label} is {code}, the manifest says "
                 f"{entry.dtype}"
             )
-        if list(piece.get_shape()) != [numel]:
+        if info.get("shape") != [frag.numel]:
             raise CheckpointError(
-                f"{path}: key {key} of tensor {entry.label} has shape {piece.get_shape()}, the "
-                f"manifest says [{numel}]"
+                f"{path}: key {frag.key} of tensor {entry.label} has shape {info.get('shape')}, "
+                f"the manifest says [{frag.numel}]"
             )
-        return piece
+        begin, end = info.get("data_offsets", [None, None])
+        element = torch.empty((), dtype=ST_TO_DTYPE[code]).element_size()
+        if (
+            not isinstance(begin, int)
+            or end != begin + frag.numel * element
+            or rank_file.data_start + end > rank_file.size
+        ):
+            raise CheckpointError(
+                f"{path}: key {frag.key} of tensor {entry.label} has data offsets "
+                f"{info.get('data_offsets')} that do not fit {frag.numel} elements in the file"
+            )
+        return rank_file, rank_file.data_start + begin, stored
 
-    def verify_fragment(self, entry: TensorEntry, index: int) -> torch.Tensor:
-        """Read one whole fragment and check its SHA-256; return its data."""
+    def _checksum_error(
+        self, entry: TensorEntry, frag: FragmentRecord, digest: str
+    ) -> CheckpointError:
+        return CheckpointError(
+            f"{self.directory / frag.file}: fragment {frag.key} of tensor {entry.label} "
+            f"(flat_offset {frag.flat_offset}, numel {frag.numel}) failed its checksum: "
+            f"expected {frag.sha256}, got {digest}"
+        )
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2)))
+        return self._pool
+
+    def finish(self) -> None:
+        """Wait for background checksums; raise on the first fragment that failed."""
+        pending, self._pending = self._pending, []
+        failed = None
+        for future, entry, frag in pending:
+            digest = future.result()
+            if digest != frag.sha256 and failed is None:
+                failed = self._checksum_error(entry, frag, digest)
+        if failed is not None:
+            raise failed
+
+    def verify_fragment(self, entry: TensorEntry, index: int) -> None:
+        """Stream one whole fragment through SHA-256 (chunked) and check it."""
         frag = entry.fragments[index]
-        data = self._slice(entry, frag.file, frag.key, frag.numel)[0 : frag.numel]
-        digest = hashlib.sha256(tensor_bytes(data)).hexdigest()
-        if digest != frag.sha256:
+        rank_file, offset, stored = self._locate(entry, frag)
+        element = torch.empty((), dtype=stored).element_size()
+        hasher = hashlib.sha256()
+        buffer = bytearray(min(CHUNK_BYTES, max(1, frag.numel * element)))
+        view = memoryview(buffer)
+        remaining, position = frag.numel * element, offset
+        try:
+            while remaining:
+                n = min(remaining, len(buffer))
+                _pread_into(rank_file.fd, view[:n], position)
+                hasher.update(view[:n])
+                remaining -= n
+                position += n
+        except OSError as err:
             raise CheckpointError(
-                f"{self.directory / frag.file}: fragment {frag.key} of tensor {entry.label} "
-                f"(flat_offset {frag.flat_offset}, numel {frag.numel}) failed its checksum: "
-                f"expected {frag.sha256}, got {digest}"
-            )
-        self._verified.add((frag.file, frag.key))
-        return data
+                f"{self.directory / frag.file}: {err} (tensor {entry.label})"
+            ) from err
+        digest = hasher.hexdigest()
+        if digest != frag.sha256:
+            raise self._checksum_error(entry, frag, digest)
+        with self._lock:
+            self._verified.add((frag.file, frag.key))
 
     # ---- lookup -------------------------------------------------------------------------------
     def entry(self, obj: str, kind: str, fqn: str) -> TensorEntry | None:
@@ -209,15 +339,67 @@ class CheckpointReader:
         end = start + numel
         for i, frag in enumerate(entry.fragments):
             lo, hi = max(start, frag.flat_offset), min(end, frag.flat_offset + frag.numel)
-            if lo >= hi:
-                continue
-            a, b = lo - frag.flat_offset, hi - frag.flat_offset
-            if self.verify and (frag.file, frag.key) not in self._verified:
-                piece = self.verify_fragment(entry, i)[a:b]
-            else:
-                piece = self._slice(entry, frag.file, frag.key, frag.numel)[a:b]
-            out[lo - start : hi - start].copy_(piece)
+            if lo < hi:
+                self._read_fragment(
+                    entry,
+                    i,
+                    lo - frag.flat_offset,
+                    hi - frag.flat_offset,
+                    out[lo - start : hi - start],
+                )
         return out
+
+    def _read_fragment(
+        self, entry: TensorEntry, index: int, a: int, b: int, dst: torch.Tensor
+    ) -> None:
+        """Elements ``[a, b)`` of fragment ``index`` into ``dst``."""
+        frag = entry.fragments[index]
+        rank_file, offset, stored = self._locate(entry, frag)
+        element = torch.empty((), dtype=stored).element_size()
+        verify = self.verify and (frag.file, frag.key) not in self._verified
+        whole = a == 0 and b == frag.numel
+        direct = dst.device.type == "cpu" and dst.dtype == stored and dst.is_contiguous()
+        path = self.directory / frag.file
+        try:
+            if direct and (whole or not verify):
+                view = tensor_bytes(dst)
+                _pread_into(rank_file.fd, view, offset + a * element)
+                if verify:
+                    self._verified.add((frag.file, frag.key))
+                    self._pending.append((self._workers().submit(_digest, view), entry, frag))
+                return
+            lo, hi = (0, frag.numel) if verify else (a, b)
+            hasher = hashlib.sha256() if verify else None
+            step = max(1, CHUNK_BYTES // element)
+            position = lo
+            while position < hi:
+                stop = min(hi, position + step)
+                buffer = self._staging(stop - position, stored, dst.device)
+                _pread_into(rank_file.fd, tensor_bytes(buffer), offset + position * element)
+                if hasher is not None:
+                    hasher.update(tensor_bytes(buffer))
+                s, e = max(position, a), min(stop, b)
+                if s < e:
+                    dst[s - a : e - a].copy_(buffer[s - position : e - position])
+                position = stop
+        except OSError as err:
+            raise CheckpointError(f"{path}: {err} (tensor {entry.label})") from err
+        if hasher is not None:
+            digest = hasher.hexdigest()
+            if digest != frag.sha256:
+                raise self._checksum_error(entry, frag, digest)
+            self._verified.add((frag.file, frag.key))
+
+    def _staging(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable host buffer of ``numel`` elements (pinned when feeding a GPU)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        pin = device.type == "cuda"
+        stage = self._stage
+        if stage is None or stage.numel() < nbytes or (pin and not stage.is_pinned()):
+            size = max(nbytes, min(CHUNK_BYTES, 1 << 20))
+            stage = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self._stage = stage
+        return stage[:nbytes].view(dtype)
 
     def read(self, entry: TensorEntry, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor in its global shape."""
@@ -248,13 +430,9 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{path}: checksum mismatch (expected {info.get('sha256')}, got {digest})"
             )
-        import json
-
         data = json.loads(raw)
-        return {
-            k: decode(v, self.tensor_source(EXTRA_OBJECT, "extra"))
-            for k, v in data["extras"].items()
-        }
+        source = self.tensor_source(EXTRA_OBJECT, "extra")
+        return {k: decode(v, source) for k, v in data["extras"].items()}
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The RNG state rank ``rank`` saved, or None."""
@@ -264,24 +442,23 @@ class CheckpointReader:
         tensors = {}
         for name in record.get("tensors", []):
             tensors[name] = self.read_named(f"{RNG_OBJECT}.{rank}", "rng", name)
-        return tensors, record.get("scalars", {})
+        return tensors, decode(record.get("scalars", {}))
 
     def verify_all(self, progress: Any = None) -> list[str]:
-        """Check every fragment's checksum; return the problems found (empty when intact)."""
-        problems = []
+        """Check every fragment's checksum (in parallel); return the problems (empty: intact)."""
+        problems: list[str] = []
+        jobs = []
         for entry in self.manifest.tensors:
             for i, frag in enumerate(entry.fragments):
-                try:
-                    self.verify_fragment(entry, i)
-                except CheckpointError as err:
-                    problems.append(str(err))
-                if progress is not None:
-                    progress.update(
-                        frag.numel
-                        * torch.empty(
-                            (), dtype=DTYPES_BY_NAME.get(entry.dtype, torch.uint8)
-                        ).element_size()
-                    )
+                jobs.append((self._workers().submit(self.verify_fragment, entry, i), entry, frag))
+        for future, entry, frag in jobs:
+            try:
+                future.result()
+            except CheckpointError as err:
+                problems.append(str(err))
+            if progress is not None:
+                size = torch.empty((), dtype=DTYPES_BY_NAME.get(entry.dtype, torch.uint8))
+                progress.update(frag.numel * size.element_size())
         if EXTRA_NAME in self.manifest.files:
             try:
                 self.extras()

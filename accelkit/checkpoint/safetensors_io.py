@@ -1,11 +1,10 @@
-"""Streaming safetensors writer that hashes each tensor's bytes as it writes them.
+"""A safetensors writer that writes and hashes tensors in parallel, without copying them.
 
 ``safetensors.torch.save_file`` first turns every tensor into ``bytes`` (a copy of the whole
 state); this writer knows every size up front (fragments are views), writes the header, then
-streams each tensor straight from its memory. Extra host memory is zero for CPU tensors and one
-fragment in flight for device tensors. Hashing runs in a thread pool while the main thread
-writes (hashlib and file writes release the GIL), so the checksum costs little wall time.
-The output is a plain safetensors file: any safetensors reader opens it.
+has a thread pool ``pwrite`` each tensor straight from its memory at its offset and hash it
+(both release the GIL). Extra host memory is zero for CPU tensors and a few fragments in flight
+for device tensors. The output is a plain safetensors file: any safetensors reader opens it.
 """
 
 from __future__ import annotations
@@ -79,8 +78,10 @@ def write_file(
 ) -> dict[str, str]:
     """Write ``(key, tensor)`` pairs as 1-D tensors into a safetensors file; return key -> sha256.
 
-    Each tensor is stored flat (shape ``[numel]``); the manifest keeps the real shapes.
-    ``progress`` (a tqdm bar) is advanced by the bytes written.
+    Each tensor is stored flat (shape ``[numel]``); the manifest keeps the real shapes. Every
+    tensor's offset is known from the header, so the pool's threads write (``pwrite``) and hash
+    the tensors in parallel; device tensors are copied to the host one at a time, with at most
+    a few copies in flight. ``progress`` (a tqdm bar) is advanced by the bytes written.
     """
     header: dict[str, Any] = {}
     if metadata:
@@ -98,38 +99,51 @@ def write_file(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-(len(raw) + 8)) % _HEADER_ALIGN)
+    data_start = 8 + len(raw)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=2)
-    digests: dict[str, Future] = {}
-    in_flight: deque[Future] = deque()
+    jobs: list[tuple[str, Future, int]] = []
+    device_copies: deque[Future] = deque()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for key, tensor in tensors:
-                host = _to_host(tensor)
-                view = tensor_bytes(host)
-                fut = pool.submit(_hash, view, host)
-                digests[key] = fut
-                in_flight.append(fut)
-                if view.nbytes:
-                    f.write(view)
-                if progress is not None:
-                    progress.update(view.nbytes)
-                while len(in_flight) > _MAX_IN_FLIGHT:  # bound host copies of device tensors
-                    in_flight.popleft().result()
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        return {key: fut.result() for key, fut in digests.items()}
+        _pwrite_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
+        for key, tensor in tensors:
+            host = _to_host(tensor)
+            view = tensor_bytes(host)
+            begin = data_start + header[key]["data_offsets"][0]
+            future = pool.submit(_write_and_hash, fd, view, begin, host)
+            jobs.append((key, future, view.nbytes))
+            if host is not tensor and host.data_ptr() != tensor.data_ptr():
+                device_copies.append(future)
+                while len(device_copies) > _MAX_IN_FLIGHT:  # bound host copies
+                    device_copies.popleft().result()
+        digests = {}
+        for key, future, nbytes in jobs:
+            digests[key] = future.result()
+            if progress is not None:
+                progress.update(nbytes)
+        if fsync:
+            os.fsync(fd)
+        return digests
     finally:
+        os.close(fd)
         if own_pool:
             pool.shutdown(wait=True)
 
 
-def _hash(view: memoryview, keepalive: torch.Tensor) -> str:
-    del keepalive  # held by the closure until the hash is done
-    return hashlib.sha256(view).hexdigest()
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _write_and_hash(fd: int, view: memoryview, offset: int, keepalive: torch.Tensor) -> str:
+    """Runs in a pool thread: both calls release the GIL."""
+    if view.nbytes:
+        _pwrite_all(fd, view, offset)
+    digest = hashlib.sha256(view).hexdigest()
+    del keepalive  # the host copy lives until its bytes are written and hashed
+    return digest
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
