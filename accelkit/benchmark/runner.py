@@ -1,0 +1,494 @@
+"""The parent side of ``accelkit bench``: one worker process (group) per row, interleaved repeats.
+
+Every row (a backend, or the raw-PyTorch baseline) gets its own process, or a ``torchrun`` group
+of ``--nproc`` processes for a distributed backend, so no row inherits another's allocator,
+compiled code or process group. Rows start one after another; each builds its model, runs the
+warm-up steps and waits. Then, for ``repeats`` rounds, the parent has each row time ``steps``
+steps in turn, starting each round at the next row (round-robin), so slow drift of a shared
+machine falls on every row alike. All rows stay resident meanwhile; ``interleave=False`` runs
+each row's repeats back to back and ends it before the next starts (for a model that does not
+fit several times in memory).
+
+The per-row ratio to raw PyTorch is taken within a round (same time slot), then the median and
+the spread over rounds are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RAW_SINGLE = "raw"
+RAW_DDP = "raw-ddp"
+FLAGS = ("compile", "ckpt")
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    precision: str
+    batch: int
+    steps: int
+    warmup: int
+    repeats: int
+    nproc: int = 1
+    device: str = "auto"
+    seq: int | None = None
+    batch_factory: str | None = None
+    seed: int = 0
+    peak_tflops: float | None = None
+    interleave: bool = True
+    baseline: bool = True
+    timeout_s: float = 900.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    """One line of the result table."""
+
+    label: str
+    backend: str | None  # None for the raw baseline
+    raw: str | None = None  # "single" or "ddp" for the baseline
+    compile: bool = False
+    activation_checkpointing: bool = False
+    nproc: int = 1
+    status: str = "pending"  # ok | unavailable | failed
+    reason: str = ""
+    ready: dict[str, Any] = field(default_factory=dict)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    control: Path | None = None
+    process: Any = None
+    log: Any = None
+
+    @property
+    def runnable(self) -> bool:
+        return self.status in ("pending", "ready")
+
+
+def parse_backends(text: str) -> list[tuple[str, str, set[str]]]:
+    """``cuda,cuda+compile,fsdp+ckpt`` -> [(label, name, flags)]; flags: compile, ckpt."""
+    items = []
+    for label in (part.strip() for part in text.split(",")):
+        if not label:
+            continue
+        name, *flags = label.split("+")
+        unknown = [f for f in flags if f not in FLAGS]
+        if unknown:
+            raise ValueError(
+                f"{label!r}: unknown suffix {'+'.join(unknown)!r}; suffixes are +compile "
+                "(setup(compile=True)) and +ckpt (activation checkpointing)"
+            )
+        items.append((label, name, set(flags)))
+    if not items:
+        raise ValueError("--backends is empty")
+    return items
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_rows(config: BenchConfig, backends: str) -> list[Row]:
+    """Rows for ``backends`` plus the raw baselines they compare with; rows that cannot run
+    here get ``status="unavailable"`` and the reason, without starting a process."""
+    from accelkit import registry
+    from accelkit.errors import AccelkitError
+
+    rows: list[Row] = []
+    host = registry.host()
+    for label, name, flags in parse_backends(backends):
+        row = Row(label, None if name in (RAW_SINGLE, RAW_DDP) else name)
+        row.compile = "compile" in flags
+        row.activation_checkpointing = "ckpt" in flags
+        if name == RAW_SINGLE:
+            row.raw = "single"
+        elif name == RAW_DDP:
+            row.raw, row.nproc = "ddp", config.nproc
+            if config.nproc < 2:
+                row.status, row.reason = "unavailable", "raw-ddp needs --nproc 2 or more"
+        else:
+            try:
+                spec = host.resolve(name)
+                caps = spec.load_class().capabilities
+            except AccelkitError as err:
+                row.status, row.reason = "unavailable", str(err)
+            except Exception as err:  # a plugin that fails to import: reported, not fatal
+                row.status, row.reason = "unavailable", f"{type(err).__name__}: {err}"
+            else:
+                row.nproc = config.nproc if caps.distributed else 1
+                if config.precision not in caps.precisions:
+                    row.status = "unavailable"
+                    row.reason = f"precision {config.precision!r} is not supported by {name!r}"
+                elif row.compile and not caps.compile:
+                    row.status, row.reason = "unavailable", f"{name!r} does not support compile"
+                elif row.activation_checkpointing and not caps.activation_checkpointing:
+                    row.status = "unavailable"
+                    row.reason = f"{name!r} does not support activation checkpointing"
+        rows.append(row)
+    if config.baseline:
+        have = {r.label for r in rows}
+        if any(r.nproc == 1 and r.backend for r in rows) and RAW_SINGLE not in have:
+            rows.insert(0, Row(RAW_SINGLE, None, raw="single"))
+        if any(r.nproc > 1 and r.backend for r in rows) and RAW_DDP not in have:
+            rows.insert(0, Row(RAW_DDP, None, raw="ddp", nproc=config.nproc))
+    return rows
+
+
+def baseline_of(row: Row, rows: list[Row]) -> Row | None:
+    """The raw row this row is compared with: same process count, same compile flag if there
+    is one, else the eager raw row."""
+    if row.raw is not None:
+        return None
+    kind = "ddp" if row.nproc > 1 else "single"
+    device = row.ready.get("device")
+    candidates = [
+        r for r in rows if r.raw == kind and r.status == "ok" and r.ready.get("device") == device
+    ]
+    for candidate in candidates:
+        if candidate.compile == row.compile:
+            return candidate
+    return next((c for c in candidates if not c.compile), None)
+
+
+# ---- processes ------------------------------------------------------------------------------------
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def launch(row: Row, config: BenchConfig, device: str, workdir: Path, index: int) -> None:
+    row.control = workdir / f"row-{index:02d}"
+    row.control.mkdir(parents=True)
+    spec = {
+        "label": row.label,
+        "backend": row.backend,
+        "raw": row.raw,
+        "compile": row.compile,
+        "activation_checkpointing": row.activation_checkpointing,
+        "model": config.model,
+        "batch_factory": config.batch_factory,
+        "seq": config.seq,
+        "batch": config.batch,
+        "precision": config.precision,
+        "steps": config.steps,
+        "warmup": config.warmup,
+        "seed": config.seed,
+        "device": device,
+        "control": str(row.control),
+        "options": config.options if row.backend else {},
+        "parent_pid": os.getpid(),
+    }
+    spec_path = row.control / "job.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    module = ["-m", "accelkit.benchmark.worker", str(spec_path)]
+    if row.nproc > 1:
+        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // row.nproc))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", str(row.nproc), *module]
+    else:
+        command = [sys.executable, *module]
+    row.log = open(row.control / "log.txt", "w")  # noqa: SIM115 (closed in finish())
+    row.process = subprocess.Popen(
+        command, stdout=row.log, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd()
+    )
+
+
+def _log_tail(row: Row, lines: int = 15) -> str:
+    try:
+        text = (row.control / "log.txt").read_text(errors="replace")  # type: ignore[operator]
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _wait(row: Row, name: str, timeout_s: float) -> dict[str, Any] | None:
+    """Wait for ``name`` in the row's folder; on an error file, a dead process or a timeout,
+    mark the row and return None."""
+    assert row.control is not None
+    target, error = row.control / name, row.control / "error.json"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if target.exists():
+            return json.loads(target.read_text())
+        if error.exists():
+            info = json.loads(error.read_text())
+            row.status = "unavailable" if info.get("phase") == "setup" else "failed"
+            row.reason = info.get("reason", "failed")
+            return None
+        if row.process is not None and row.process.poll() is not None:
+            time.sleep(0.2)  # a last file may land just after the exit
+            if target.exists() or error.exists():
+                continue
+            row.status = "failed"
+            tail = _log_tail(row, 3).replace("\n", " | ")
+            row.reason = f"worker exited with code {row.process.returncode}: {tail[-400:]}"
+            return None
+        if time.monotonic() > deadline:
+            row.status, row.reason = "failed", f"no answer within {timeout_s:.0f} s"
+            return None
+        time.sleep(0.01)
+
+
+def finish(row: Row, timeout_s: float = 60.0) -> None:
+    if row.control is not None:
+        (row.control / "stop").touch()
+    if row.process is not None:
+        try:
+            row.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            row.process.kill()
+            row.process.wait()
+    if row.log is not None:
+        row.log.close()
+        row.log = None
+
+
+def start(row: Row, config: BenchConfig, device: str, workdir: Path, index: int) -> None:
+    launch(row, config, device, workdir, index)
+    ready = _wait(row, "ready.json", config.timeout_s)
+    if ready is None:
+        finish(row)
+        return
+    row.ready, row.status = ready, "ready"
+
+
+def run_repeat(row: Row, index: int, timeout_s: float) -> None:
+    assert row.control is not None
+    (row.control / f"go-{index}").touch()
+    result = _wait(row, f"result-{index}.json", timeout_s)
+    if result is None:
+        finish(row)
+        return
+    row.results.append(result)
+
+
+def measure_peak(config: BenchConfig, device: str, workdir: Path) -> dict[str, Any]:
+    """The FLOP/s ceiling MFU is stated against: given, or a matmul measured in a worker."""
+    if config.peak_tflops:
+        return {"flops": config.peak_tflops * 1e12, "how": "given with --peak-tflops"}
+    dtype = "float32"
+    if device == "cuda":
+        dtype = {"bf": "bfloat16", "16": "float16"}.get(config.precision[:2], "float32")
+    out = workdir / "peak.json"
+    command = [sys.executable, "-m", "accelkit.benchmark.worker", "--peak", device, dtype, str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 or not out.exists():
+        return {"flops": None, "how": f"measurement failed: {done.stderr.strip()[-300:]}"}
+    return json.loads(out.read_text())
+
+
+def run(
+    config: BenchConfig, backends: str, progress: Any = None, keep_dir: str | None = None
+) -> dict[str, Any]:
+    """Run the benchmark; the result document (see :func:`summarize`)."""
+    from accelkit.benchmark.workloads import get_workload
+
+    device = resolve_device(config.device)
+    import torch
+
+    with torch.device("meta"):
+        workload = get_workload(config.model, config.batch_factory, config.seq)
+    rows = make_rows(config, backends)
+    workdir = Path(keep_dir or tempfile.mkdtemp(prefix="accelkit-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    runnable = [r for r in rows if r.runnable]
+    if progress is not None:
+        progress.reset(total=len(runnable) * (1 + config.repeats))
+    try:
+        peak = measure_peak(config, device, workdir)
+
+        def tick(text: str) -> None:
+            if progress is not None:
+                progress.set_description_str(text, refresh=False)
+                progress.update(1)
+
+        if config.interleave:
+            for i, row in enumerate(runnable):
+                if progress is not None:
+                    progress.set_description_str(f"setting up {row.label}")
+                start(row, config, device, workdir, i)
+                tick(f"{row.label} ready")
+            for round_index in range(config.repeats):
+                live = [r for r in runnable if r.status == "ready"]
+                if not live:
+                    break
+                shift = round_index % len(live)
+                for row in live[shift:] + live[:shift]:
+                    if progress is not None:
+                        progress.set_description_str(f"round {round_index + 1}: {row.label}")
+                    run_repeat(row, round_index, config.timeout_s)
+                    tick(f"round {round_index + 1}: {row.label}")
+        else:
+            for i, row in enumerate(runnable):
+                start(row, config, device, workdir, i)
+                tick(f"{row.label} ready")
+                for round_index in range(config.repeats):
+                    if row.status != "ready":
+                        break
+                    run_repeat(row, round_index, config.timeout_s)
+                    tick(f"{row.label}: repeat {round_index + 1}")
+                finish(row)
+    finally:
+        for row in runnable:
+            finish(row)
+        if keep_dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    for row in runnable:
+        if row.status == "ready":
+            row.status = "ok" if len(row.results) == config.repeats else "failed"
+            if row.status == "failed" and not row.reason:
+                row.reason = "some repeats did not finish"
+    return summarize(config, device, workload, rows, peak)
+
+
+# ---- the result document ----------------------------------------------------------------------------
+def _versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    import torch
+
+    from accelkit import __version__
+
+    found: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "accelkit": __version__,
+    }
+    for dist in (
+        "deepspeed",
+        "fairscale",
+        "colossalai",
+        "accelkit-deepspeed",
+        "accelkit-fairscale",
+    ):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def _hardware(device: str, rows: list[Row]) -> dict[str, Any]:
+    names = {r.ready.get("device_name") for r in rows if r.ready.get("device") == device}
+    names.discard(None)
+    hardware = {
+        "device": device,
+        "device_name": sorted(names)[0] if names else None,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": _cpu_count(),
+        "platform": platform.platform(),
+    }
+    return hardware
+
+
+def summarize(
+    config: BenchConfig, device: str, workload: Any, rows: list[Row], peak: dict[str, Any]
+) -> dict[str, Any]:
+    results = []
+    for row in rows:
+        entry: dict[str, Any] = {
+            "label": row.label,
+            "backend": row.backend
+            or f"raw PyTorch ({'DDP' if row.raw == 'ddp' else 'single device'})",
+            "baseline": row.raw is not None,
+            "compile": row.compile,
+            "activation_checkpointing": row.activation_checkpointing,
+            "nproc": row.nproc,
+            "status": row.status,
+            "reason": row.reason or None,
+        }
+        if row.status == "ok":
+            entry.update(_figures(config, workload, row, rows, peak))
+        results.append(entry)
+    return {
+        "accelkit_bench": 1,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": _hardware(device, rows),
+        "versions": _versions(),
+        "config": {
+            **{k: v for k, v in dataclasses.asdict(config).items() if k != "peak_tflops"},
+            "device": device,
+            "timing": "per repeat: time of `steps` steps / steps, one device sync at each end; "
+            "warm-up excluded",
+        },
+        "peak": {
+            "tflops_per_device": None if peak.get("flops") is None else peak["flops"] / 1e12,
+            "how": peak.get("how"),
+            "devices": "per GPU" if device == "cuda" else "the whole CPU (all cores, one process)",
+        },
+        "model": {
+            "name": workload.name,
+            "description": workload.description,
+            "seq_len": workload.seq_len,
+        },
+        "results": results,
+    }
+
+
+def _figures(
+    config: BenchConfig, workload: Any, row: Row, rows: list[Row], peak: dict[str, Any]
+) -> dict[str, Any]:
+    times = [r["step_s"] for r in row.results]
+    median = statistics.median(times)
+    world = int(row.ready.get("world_size", row.nproc))
+    params = int(row.ready.get("params", 0))
+    samples = config.batch * world / median
+    figures: dict[str, Any] = {
+        "world_size": world,
+        "device": row.ready.get("device"),
+        "params": params,
+        "optimizer": row.ready.get("optimizer"),
+        "setup_s": row.ready.get("setup_s"),
+        "step_ms": {
+            "median": median * 1e3,
+            "min": min(times) * 1e3,
+            "max": max(times) * 1e3,
+            "repeats": [t * 1e3 for t in times],
+        },
+        "samples_per_s": samples,
+        "tokens_per_s": samples * workload.seq_len if workload.seq_len else None,
+        "peak_memory_bytes": max(r["peak_memory"] for r in row.results),
+        "memory_kind": row.results[-1]["memory_kind"],
+        "loss": row.results[-1]["loss"],
+    }
+    flops = peak.get("flops")
+    if flops:
+        devices = world if row.ready.get("device") == "cuda" else 1
+        achieved = workload.training_flops_per_sample(params) * samples
+        figures["tflops"] = achieved / 1e12
+        figures["mfu"] = achieved / (flops * devices)
+    base = baseline_of(row, rows)
+    if base is not None and len(base.results) == len(row.results):
+        ratios = [
+            mine["step_s"] / theirs["step_s"]
+            for mine, theirs in zip(row.results, base.results, strict=True)
+        ]
+        figures["overhead"] = {
+            "vs": base.label,
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
+    return figures
