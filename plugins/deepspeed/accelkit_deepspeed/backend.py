@@ -249,7 +249,9 @@ class DeepSpeedBackend(Backend):
             model=model, optimizer=optimizers[0] if optimizers else None, config=config
         )
         self.engine = engine
-        self._managed = config.get("managed_gradient_accumulation", True) is not False
+        # managed_gradient_accumulation=false (DeepSpeed >= 0.19): step() is the boundary itself
+        managed = getattr(engine, "managed_gradient_accumulation", None)
+        self._managed = managed is None or bool(managed())
         opts = [] if optimizer is None else [engine.optimizer]
         return SetupResult(engine, opts)
 
