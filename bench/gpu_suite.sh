@@ -28,6 +28,14 @@ export PYTHONPATH=$SITE
 part() { echo "== $1 ($(date -u +%H:%M:%S))"; }
 for p in "$@"; do
   case "$p" in
+    dstests)
+      part dstests
+      timeout 240 python3 -m pytest -q -rsf -x -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
+      tail -5 "$OUTDIR/ds-tests.log" ;;
+    dsbench)
+      part dsbench
+      timeout 200 python3 bench/deepspeed_gpt.py --configs z2:bf16-true,z3:bf16-true --repeats 3 --out "$OUTDIR/deepspeed.json" > "$OUTDIR/deepspeed.log" 2>&1
+      grep -v Warning "$OUTDIR/deepspeed.log" | tail -8 ;;
     tests)
       part tests
       timeout 300 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 240 tests plugins 2>&1 | tail -60 | tee "$OUTDIR/gpu-tests.log" ;;
