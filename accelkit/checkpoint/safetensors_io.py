@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,21 +69,36 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+@dataclass
+class LazyTensor:
+    """A tensor to write that is produced only when its turn comes (a conversion reads its
+    source one tensor at a time). ``shape`` and ``dtype`` must be what ``fetch()`` returns."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fetch: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 def write_file(
     path: str | os.PathLike,
-    tensors: Sequence[tuple[str, torch.Tensor]],
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     metadata: dict[str, str] | None = None,
     *,
     pool: ThreadPoolExecutor | None = None,
     fsync: bool = True,
     progress: Any = None,
+    flat: bool = True,
 ) -> dict[str, str]:
-    """Write ``(key, tensor)`` pairs as 1-D tensors into a safetensors file; return key -> sha256.
+    """Write ``(key, tensor)`` pairs into a safetensors file; return key -> sha256.
 
-    Each tensor is stored flat (shape ``[numel]``); the manifest keeps the real shapes. Every
-    tensor's offset is known from the header, so the pool's threads write (``pwrite``) and hash
-    the tensors in parallel; device tensors are copied to the host one at a time, with at most
-    a few copies in flight. ``progress`` (a tqdm bar) is advanced by the bytes written.
+    With ``flat`` each tensor is stored 1-D (shape ``[numel]``; the manifest keeps the real
+    shapes), else with its own shape. Every tensor's offset is known from the header, so the
+    pool's threads write (``pwrite``) and hash the tensors in parallel; device tensors and
+    :class:`LazyTensor` are brought to the host one at a time, with at most a few copies in
+    flight. ``progress`` (a tqdm bar) is advanced by the bytes written.
     """
     header: dict[str, Any] = {}
     if metadata:
@@ -90,10 +107,10 @@ def write_file(
     for key, tensor in tensors:
         if tensor.dtype not in DTYPE_TO_ST:
             raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors code")
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * torch.empty((), dtype=tensor.dtype).element_size()
         header[key] = {
             "dtype": DTYPE_TO_ST[tensor.dtype],
-            "shape": [tensor.numel()],
+            "shape": [tensor.numel()] if flat else list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -107,13 +124,19 @@ def write_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
-        for key, tensor in tensors:
+        for key, item in tensors:
+            tensor = item.fetch() if isinstance(item, LazyTensor) else item
+            if tuple(tensor.shape) != tuple(item.shape) or tensor.dtype != item.dtype:
+                raise ValueError(
+                    f"{key}: fetched {tensor.dtype} {list(tensor.shape)}, "
+                    f"announced {item.dtype} {list(item.shape)}"
+                )
             host = _to_host(tensor)
             view = tensor_bytes(host)
             begin = data_start + header[key]["data_offsets"][0]
             future = pool.submit(_write_and_hash, fd, view, begin, host)
             jobs.append((key, future, view.nbytes))
-            if host is not tensor and host.data_ptr() != tensor.data_ptr():
+            if isinstance(item, LazyTensor) or host.data_ptr() != tensor.data_ptr():
                 device_copies.append(future)
                 while len(device_copies) > _MAX_IN_FLIGHT:  # bound host copies
                     device_copies.popleft().result()

@@ -13,6 +13,7 @@ same message instead of hanging the others):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -276,6 +277,40 @@ def _build_manifest(
     return Manifest(data, tensors), main.get("extras", {})
 
 
+def finalize(
+    path: Path,
+    manifest: Manifest,
+    extras: dict[str, Any],
+    *,
+    latest: bool,
+    keep_last: int | None,
+    writer: str = "",
+) -> None:
+    """Rank 0's last step: extra.json and the manifest into the temporary sibling, fsync,
+    rename into place, then the ``latest`` pointer and rotation."""
+    tmp = storage.temp_dir(path)
+    if extras:
+        raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
+        (tmp / EXTRA_NAME).write_bytes(raw)
+        storage.fsync_file(tmp / EXTRA_NAME)
+        manifest.data["files"][EXTRA_NAME] = {
+            "bytes": len(raw),
+            "sha256": hashlib.sha256(raw).hexdigest(),
+        }
+    try:
+        manifest.validate()
+    except CheckpointError as err:
+        who = writer or manifest.data.get("writer", {}).get("backend", "?")
+        raise CheckpointError(f"backend {who!r} wrote an inconsistent checkpoint: {err}") from err
+    (tmp / MANIFEST_NAME).write_text(manifest.to_json_text())
+    storage.fsync_file(tmp / MANIFEST_NAME)
+    storage.commit(path)
+    if latest:
+        storage.write_latest(path)
+    if keep_last is not None:
+        storage.rotate(path, keep_last)
+
+
 def save(
     accel: Any,
     path: str | os.PathLike,
@@ -330,30 +365,7 @@ def save(
     if rank == 0:
         try:
             manifest, extras = _build_manifest(backend, accel, records, list(state), step)
-            tmp = storage.temp_dir(path)
-            if extras:
-                raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
-                (tmp / EXTRA_NAME).write_bytes(raw)
-                storage.fsync_file(tmp / EXTRA_NAME)
-                import hashlib
-
-                manifest.data["files"][EXTRA_NAME] = {
-                    "bytes": len(raw),
-                    "sha256": hashlib.sha256(raw).hexdigest(),
-                }
-            try:
-                manifest.validate()
-            except CheckpointError as err:
-                raise CheckpointError(
-                    f"backend {backend.name!r} wrote an inconsistent checkpoint: {err}"
-                ) from err
-            (tmp / MANIFEST_NAME).write_text(manifest.to_json_text())
-            storage.fsync_file(tmp / MANIFEST_NAME)
-            storage.commit(path)
-            if latest:
-                storage.write_latest(path)
-            if keep_last is not None:
-                storage.rotate(path, keep_last)
+            finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
         except Exception as err:
             error = err
     agree(error, f"saving {path}")

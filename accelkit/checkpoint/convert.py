@@ -1,0 +1,713 @@
+"""Conversions: the portable checkpoint to one consolidated file, and foreign formats into it.
+
+Export: a module's parameters and buffers, gathered tensor by tensor from the fragments (peak
+memory: one tensor for ``.safetensors``; the whole model for ``.pt``), under the names a plain
+``model.load_state_dict`` expects (tied names included).
+
+Import: a plain state-dict file (``.safetensors``; ``.pt``/``.pth``/``.bin`` with
+``trust_pickle``), a torch.distributed.checkpoint directory (its ``.metadata`` is a pickle:
+``trust_pickle``), a Lightning/Fabric checkpoint (pickled: ``trust_pickle``). Each importer is
+an object with ``detect(path)`` and ``convert(path, dst, *, trust_pickle, **options)``,
+registered through the ``accelkit_checkpoint_importers`` hook; these are the native ones.
+The result is a world-size-1 portable checkpoint that any backend loads at any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from accelkit.checkpoint import storage
+from accelkit.checkpoint.codec import drop_callables, encode
+from accelkit.checkpoint.fqn import canonical_fqn
+from accelkit.checkpoint.manifest import (
+    EXTRA_OBJECT,
+    FORMAT,
+    FORMAT_VERSION,
+    rank_file_name,
+)
+from accelkit.checkpoint.reader import CheckpointReader
+from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, LazyTensor, write_file
+from accelkit.errors import CheckpointError
+from accelkit.hookspecs import hookimpl
+
+log = logging.getLogger("accelkit")
+
+#: conversions at least this large show a progress bar by default
+PROGRESS_BYTES = 256 << 20
+
+PICKLE_HINT = (
+    "is a pickle: loading it runs whatever code it carries. Pass --trust-pickle "
+    "(trust_pickle=True) only for a file you trust"
+)
+
+
+def _progress(total: int, enabled: bool | None, desc: str) -> Any:
+    if enabled is False or (enabled is None and total < PROGRESS_BYTES):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+
+
+# ---- export -------------------------------------------------------------------------------------
+def export_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    obj: str | None = None,
+    fmt: str | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write module ``obj`` of portable checkpoint ``src`` as one state-dict file ``dst``.
+
+    ``fmt``: ``safetensors`` (default; streamed, one tensor in memory at a time) or ``pt``
+    (``torch.save`` of the whole state dict). The keys are the module's canonical names and
+    its tied aliases, so ``model.load_state_dict(...)`` accepts the file as is.
+    """
+    dst = Path(dst)
+    fmt = fmt or ("pt" if dst.suffix in (".pt", ".pth", ".bin") else "safetensors")
+    if fmt not in ("safetensors", "pt"):
+        raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or pt")
+    with CheckpointReader(src) as reader:
+        modules = [n for n, info in reader.manifest.objects.items() if info.get("type") == "module"]
+        if obj is None:
+            if len(modules) != 1:
+                raise CheckpointError(
+                    f"{reader.directory} holds modules {modules}; choose one with --object"
+                )
+            obj = modules[0]
+        if obj not in modules:
+            raise CheckpointError(f"{reader.directory}: no module {obj!r} (modules: {modules})")
+        entries = [e for e in reader.entries(obj) if e.kind in ("param", "buffer")]
+        masters = {e.fqn: e for e in reader.entries(obj) if e.kind == "master"}
+        items: list[tuple[str, Any]] = []
+        for entry in entries:
+            source = entry
+            if entry.fqn in masters and entry.dtype != masters[entry.fqn].dtype:
+                log.info(
+                    "%s: exporting the stored %s weights (the master is %s)",
+                    entry.fqn,
+                    entry.dtype,
+                    masters[entry.fqn].dtype,
+                )
+            for name in (entry.fqn, *entry.aliases):
+                items.append((name, source))
+        total = sum(e.numel * torch.empty((), dtype=_dtype(e)).element_size() for _, e in items)
+        bar = _progress(total, progress, f"export {dst.name}")
+        try:
+            if fmt == "pt":
+                state = {}
+                for name, entry in items:
+                    state[name] = reader.read(entry)
+                    if bar is not None:
+                        bar.update(state[name].numel() * state[name].element_size())
+                reader.finish()
+                _atomic_write(dst, lambda tmp: torch.save(state, tmp))
+            else:
+                lazy = [
+                    (name, LazyTensor(entry.shape, _dtype(entry), _reader_fetch(reader, entry)))
+                    for name, entry in items
+                ]
+
+                def write(tmp: Path) -> None:
+                    with ThreadPoolExecutor(max_workers=2) as pool:
+                        write_file(tmp, lazy, {"format": "pt"}, pool=pool, progress=bar, flat=False)
+                    reader.finish()
+
+                _atomic_write(dst, write)
+        finally:
+            if bar is not None:
+                bar.close()
+    return dst
+
+
+def _dtype(entry: Any) -> torch.dtype:
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+
+    return DTYPES_BY_NAME[entry.dtype]
+
+
+def _reader_fetch(reader: CheckpointReader, entry: Any):
+    return lambda: reader.read(entry)
+
+
+def _atomic_write(dst: Path, write: Any) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.accelkit-tmp"
+    try:
+        write(tmp)
+        storage.fsync_file(tmp)
+        os.replace(tmp, dst)
+        storage.fsync_dir(dst.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- import: writing a portable checkpoint from foreign tensors -----------------------------------------
+@dataclass
+class Imported:
+    """What an importer found: tensors by (object, kind, fqn), object descriptions, extras."""
+
+    tensors: dict[tuple[str, str, str], torch.Tensor | LazyTensor]
+    objects: dict[str, dict[str, Any]]
+    extras: dict[str, Any]
+    source: str
+    step: int | None = None
+
+
+def write_portable(
+    imported: Imported, dst: str | os.PathLike, *, progress: bool | None = None
+) -> Path:
+    """Write ``imported`` as a world-size-1 portable checkpoint at ``dst`` (atomically)."""
+    from accelkit.checkpoint.writer import _build_manifest, finalize
+
+    path = Path(dst).absolute()
+    storage.prepare(path)
+    tmp = storage.temp_dir(path)
+
+    def sink(obj: str, kind: str):
+        def put(where: str, tensor: torch.Tensor) -> str:
+            imported.tensors[(obj, kind, where)] = tensor
+            return where
+
+        return put
+
+    objects = {}
+    for name, info in imported.objects.items():
+        if "state" in info:
+            info = {**info, "state": encode(info["state"], name, sink(name, "state"))}
+        objects[name] = info
+    extras = {k: encode(v, k, sink(EXTRA_OBJECT, "extra")) for k, v in imported.extras.items()}
+    for name in imported.extras:
+        objects.setdefault(name, {"type": "extra"})
+    items = []
+    records = []
+    for (obj, kind, fqn), value in imported.tensors.items():
+        key = f"{obj}/{kind}/{fqn}@0"
+        if not isinstance(value, LazyTensor):
+            value = value.detach().reshape(-1)
+            shape: tuple[int, ...] = tuple(imported.tensors[(obj, kind, fqn)].shape)
+        else:
+            shape = tuple(value.shape)
+            value = LazyTensor((value.numel(),), value.dtype, _flattened(value.fetch))
+        if value.numel():
+            items.append((key, value))
+        records.append(
+            {
+                "object": obj,
+                "fqn": fqn,
+                "kind": kind,
+                "shape": list(shape),
+                "dtype": DTYPE_NAMES[value.dtype],
+                "flat_offset": 0,
+                "numel": value.numel(),
+                "key": key if value.numel() else "",
+                "meta": {},
+            }
+        )
+    total = sum(v.numel() * torch.empty((), dtype=v.dtype).element_size() for _, v in items)
+    bar = _progress(total, progress, f"import {path.name}")
+    try:
+        file_path = tmp / rank_file_name(0)
+        with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2))) as pool:
+            digests = write_file(
+                file_path,
+                items,
+                {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": "0"},
+                pool=pool,
+                progress=bar,
+            )
+    finally:
+        if bar is not None:
+            bar.close()
+    for rec in records:
+        rec["sha256"] = digests.get(rec["key"], "")
+    record = {
+        "rank": 0,
+        "infos": objects,
+        "extras": extras,
+        "backend_state": {},
+        "fragments": records,
+        "file": {"name": rank_file_name(0), "bytes": file_path.stat().st_size},
+    }
+    backend = SimpleNamespace(name=imported.source, settings=SimpleNamespace(precision=None))
+    manifest, extras = _build_manifest(backend, None, [record], list(objects), imported.step)
+    finalize(path, manifest, extras, latest=False, keep_last=None, writer=imported.source)
+    return path
+
+
+def _flattened(fetch: Any):
+    return lambda: fetch().detach().reshape(-1)
+
+
+def _model_tensors(
+    state: dict[str, Any], obj: str, *, strip_prefix: str | None
+) -> dict[tuple[str, str, str], torch.Tensor | LazyTensor]:
+    out: dict[tuple[str, str, str], Any] = {}
+    for key, value in state.items():
+        if not isinstance(value, (torch.Tensor, LazyTensor)):
+            continue
+        name = key[len(strip_prefix) :] if strip_prefix and key.startswith(strip_prefix) else key
+        out[(obj, "param", canonical_fqn(name, strip_module_prefix=True))] = value
+    return out
+
+
+def _is_module_state(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(k, str) for k in value)
+        and all(isinstance(v, torch.Tensor) for v in value.values())
+    )
+
+
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, dict) and "state" in value and "param_groups" in value
+
+
+def _family(osd: dict[str, Any]) -> str:
+    keys = {k for per in osd.get("state", {}).values() for k in per}
+    if {"exp_avg", "exp_avg_sq"} <= keys:
+        groups = osd.get("param_groups", [{}])
+        return "adamw" if groups and groups[0].get("decoupled_weight_decay") else "adam"
+    if "momentum_buffer" in keys:
+        return "sgd"
+    return "unknown"
+
+
+def _positional_names(
+    module_state: dict[str, torch.Tensor], osd: dict[str, Any]
+) -> list[str] | None:
+    """Names for a torch optimizer's integer parameter ids (id k is the k-th parameter of its
+    groups in order), as a subsequence of the state dict's floating tensors (tied copies once,
+    known buffers out) whose shapes match each parameter's state. Only a match that is unique
+    is returned (the leftmost and the rightmost matches coincide); otherwise None."""
+    buffers = ("running_mean", "running_var", "num_batches_tracked")
+    candidates, seen = [], set()
+    for name, value in module_state.items():
+        if not value.is_floating_point() or name.rsplit(".", 1)[-1] in buffers:
+            continue
+        storage_id = (value.untyped_storage().data_ptr(), value.storage_offset(), value.numel())
+        if storage_id in seen and value.numel():
+            continue
+        seen.add(storage_id)
+        candidates.append(name)
+    ids = [i for group in osd["param_groups"] for i in group["params"]]
+    if not ids or not all(isinstance(i, int) for i in ids) or ids != list(range(len(ids))):
+        return None
+    shapes: dict[int, tuple[int, ...]] = {}
+    for pid, per_param in osd["state"].items():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor) and value.dim():
+                shapes[pid] = tuple(value.shape)
+
+    def fits(pid: int, index: int) -> bool:
+        return pid not in shapes or shapes[pid] == tuple(module_state[candidates[index]].shape)
+
+    def leftmost() -> list[int] | None:
+        chosen, j = [], 0
+        for pid in ids:
+            while j < len(candidates) and not fits(pid, j):
+                j += 1
+            if j == len(candidates):
+                return None
+            chosen.append(j)
+            j += 1
+        return chosen
+
+    def rightmost() -> list[int] | None:
+        chosen, j = [], len(candidates) - 1
+        for pid in reversed(ids):
+            while j >= 0 and not fits(pid, j):
+                j -= 1
+            if j < 0:
+                return None
+            chosen.append(j)
+            j -= 1
+        return chosen[::-1]
+
+    left = leftmost()
+    if left is None or left != rightmost():
+        return None
+    return [candidates[j] for j in left]
+
+
+def optimizer_import(
+    name: str,
+    osd: dict[str, Any],
+    param_names: list[str] | None,
+    tensors: dict[tuple[str, str, str], Any],
+    model_object: str = "model",
+) -> dict[str, Any]:
+    """Add a torch optimizer state dict's tensors (by fqn) to ``tensors``; return its info."""
+
+    def fqn(pid: Any) -> str:
+        if isinstance(pid, str):
+            return canonical_fqn(pid, strip_module_prefix=True)
+        if param_names is None:
+            raise CheckpointError("optimizer parameter ids cannot be named")
+        return canonical_fqn(param_names[pid], strip_module_prefix=True)
+
+    scalar_state: dict[str, Any] = {}
+    for pid, per_param in osd["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, (torch.Tensor, LazyTensor)):
+                tensors[(name, f"optim:{key}", fqn(pid))] = value
+            else:
+                scalar_state.setdefault(fqn(pid), {})[key] = encode(value, f"{name}/{key}")
+    groups = []
+    for g, group in enumerate(osd["param_groups"]):
+        entry: dict[str, Any] = {"params": [fqn(p) for p in group["params"]]}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            try:
+                entry[key] = encode(value, f"{name}/param_groups/{g}/{key}")
+            except CheckpointError:
+                log.warning("%s: param group entry %r is not imported", name, key)
+        groups.append(entry)
+    return {
+        "type": "optimizer",
+        "class": "(imported)",
+        "family": _family(osd),
+        "model": model_object,
+        "step_granularity": "param",
+        "param_groups": groups,
+        "scalar_state": scalar_state,
+    }
+
+
+def _try_encode(value: Any, where: str) -> bool:
+    try:
+        encode(value, where, lambda path, tensor: path)
+        return True
+    except CheckpointError as err:
+        log.warning("not imported: %s", err)
+        return False
+
+
+def _from_mapping(checkpoint: dict[str, Any], source: str, strip_prefix: str | None) -> Imported:
+    """A Fabric-style dict: module state dicts, optimizer state dicts, stateful states, values."""
+    tensors: dict[tuple[str, str, str], Any] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    extras: dict[str, Any] = {}
+    modules = {k: v for k, v in checkpoint.items() if _is_module_state(v)}
+    if not modules and _is_module_state({k: v for k, v in checkpoint.items()}):
+        modules = {"model": checkpoint}
+        checkpoint = {"model": checkpoint}
+    for key, value in checkpoint.items():
+        if key in modules:
+            tensors.update(_model_tensors(value, key, strip_prefix=strip_prefix))
+            objects[key] = {"type": "module", "class": "(imported)"}
+        elif _is_optimizer_state(value):
+            model_name = next(iter(modules), "model")
+            names = None
+            if modules and any(
+                isinstance(p, int) for g in value["param_groups"] for p in g["params"]
+            ):
+                names = _positional_names(modules[model_name], value)
+                if names is None:
+                    log.warning(
+                        "%s: optimizer %r not imported: its integer parameter ids cannot be "
+                        "matched to the model's names unambiguously (frozen parameters or "
+                        "floating-point buffers of the same shapes); the model is imported",
+                        source,
+                        key,
+                    )
+                    continue
+                if strip_prefix:
+                    names = [
+                        n[len(strip_prefix) :] if n.startswith(strip_prefix) else n for n in names
+                    ]
+            objects[key] = optimizer_import(key, value, names, tensors, model_name)
+        elif isinstance(value, dict) and ("last_epoch" in value or "base_lrs" in value):
+            if _try_encode(value, key):
+                objects[key] = {
+                    "type": "scheduler",
+                    "class": "(imported)",
+                    "state": drop_callables(value, key),
+                }
+        elif _try_encode(value, key):
+            extras[key] = value
+    step = checkpoint.get("step", checkpoint.get("global_step"))
+    return Imported(tensors, objects, extras, source, step if isinstance(step, int) else None)
+
+
+# ---- the native importers -------------------------------------------------------------------------------
+class SafetensorsImporter:
+    """A plain state-dict ``.safetensors`` file (weights only; no pickle)."""
+
+    def detect(self, path: str | os.PathLike) -> bool:
+        return Path(path).is_file() and Path(path).suffix == ".safetensors"
+
+    def convert(
+        self,
+        path: str | os.PathLike,
+        dst: str | os.PathLike,
+        *,
+        trust_pickle: bool = False,
+        strip_prefix: str | None = None,
+        progress: bool | None = None,
+    ) -> Path:
+        from safetensors import safe_open
+
+        handle = safe_open(str(path), framework="pt", device="cpu")
+        state: dict[str, Any] = {}
+        for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+            piece = handle.get_slice(key)
+            dtype = _st_dtype(piece.get_dtype())
+            state[key] = LazyTensor(tuple(piece.get_shape()), dtype, _safe_fetch(handle, key))
+        imported = Imported(
+            _model_tensors(state, "model", strip_prefix=strip_prefix),
+            {"model": {"type": "module", "class": "(imported)"}},
+            {},
+            "import:safetensors",
+        )
+        return write_portable(imported, dst, progress=progress)
+
+
+def _st_dtype(code: str) -> torch.dtype:
+    from accelkit.checkpoint.safetensors_io import ST_TO_DTYPE
+
+    return ST_TO_DTYPE[code]
+
+
+def _safe_fetch(handle: Any, key: str):
+    return lambda: handle.get_tensor(key)
+
+
+def _torch_load(path: str | os.PathLike, trust_pickle: bool) -> Any:
+    if not trust_pickle:
+        raise CheckpointError(f"{path} {PICKLE_HINT}")
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+class TorchFileImporter:
+    """A ``torch.save`` file: a plain state dict, a dict of state dicts (Fabric's ``save``),
+    or a dict with ``state_dict``/``model``/``module`` inside. Pickled: needs ``trust_pickle``."""
+
+    suffixes = (".pt", ".pth", ".bin", ".ckpt")
+
+    def detect(self, path: str | os.PathLike) -> bool:
+        return Path(path).is_file() and Path(path).suffix in self.suffixes
+
+    def convert(
+        self,
+        path: str | os.PathLike,
+        dst: str | os.PathLike,
+        *,
+        trust_pickle: bool = False,
+        strip_prefix: str | None = None,
+        progress: bool | None = None,
+    ) -> Path:
+        checkpoint = _torch_load(path, trust_pickle)
+        if not isinstance(checkpoint, dict):
+            raise CheckpointError(f"{path}: holds a {type(checkpoint).__name__}, not a dict")
+        if "pytorch-lightning_version" in checkpoint or (
+            "state_dict" in checkpoint and "optimizer_states" in checkpoint
+        ):
+            imported = _from_lightning(checkpoint, strip_prefix)
+        else:
+            for key in ("state_dict", "model_state_dict", "module"):
+                if _is_module_state(checkpoint.get(key)) and not any(
+                    _is_module_state(v) for k, v in checkpoint.items() if k != key
+                ):
+                    checkpoint = {"model" if k == key else k: v for k, v in checkpoint.items()}
+            imported = _from_mapping(checkpoint, "import:torch", strip_prefix)
+        return write_portable(imported, dst, progress=progress)
+
+
+def _from_lightning(checkpoint: dict[str, Any], strip_prefix: str | None) -> Imported:
+    """Lightning's layout: state_dict, optimizer_states[i], lr_schedulers[i], epoch, global_step."""
+    mapping: dict[str, Any] = {"model": checkpoint["state_dict"]}
+    for i, osd in enumerate(checkpoint.get("optimizer_states", [])):
+        mapping["optimizer" if i == 0 else f"optimizer_{i}"] = osd
+    for i, sched in enumerate(checkpoint.get("lr_schedulers", [])):
+        mapping["scheduler" if i == 0 else f"scheduler_{i}"] = sched
+    for key in ("epoch", "global_step"):
+        if key in checkpoint:
+            mapping[key] = checkpoint[key]
+    imported = _from_mapping(mapping, "import:lightning", strip_prefix)
+    if "pytorch-lightning_version" in checkpoint:
+        imported.extras["lightning_version"] = str(checkpoint["pytorch-lightning_version"])
+    return imported
+
+
+class DCPImporter:
+    """A torch.distributed.checkpoint directory (any world size that wrote it). Its
+    ``.metadata`` is a pickle: needs ``trust_pickle``. Nested state (``{"model": ...,
+    "optimizer": ...}`` as ``get_state_dict`` gives) becomes those objects; a flat one, "model"."""
+
+    def detect(self, path: str | os.PathLike) -> bool:
+        return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+    def convert(
+        self,
+        path: str | os.PathLike,
+        dst: str | os.PathLike,
+        *,
+        trust_pickle: bool = False,
+        strip_prefix: str | None = None,
+        progress: bool | None = None,
+    ) -> Path:
+        if not trust_pickle:
+            raise CheckpointError(
+                f"{path}: the torch.distributed.checkpoint .metadata {PICKLE_HINT}"
+            )
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        reader = dcp.FileSystemReader(str(path))
+        metadata = reader.read_metadata()
+        paths = dict(getattr(metadata, "planner_data", None) or {})
+        tensors_meta = {
+            k: v
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
+        others = [k for k in metadata.state_dict_metadata if k not in tensors_meta]
+
+        def load(keys: dict[str, Any]) -> dict[str, Any]:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(keys, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+            return keys
+
+        def fetch(key: str):
+            meta = tensors_meta[key]
+            return lambda: load({key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)})[
+                key
+            ]
+
+        values = load(dict.fromkeys(others)) if others else {}
+        nested: dict[str, Any] = {}
+        for key in metadata.state_dict_metadata:
+            route = paths.get(key, (key,))
+            value = (
+                LazyTensor(
+                    tuple(tensors_meta[key].size), tensors_meta[key].properties.dtype, fetch(key)
+                )
+                if key in tensors_meta
+                else values.get(key)
+            )
+            _insert(nested, list(route), value)
+        if not any(_is_module_state_like(v) or _is_optimizer_state(v) for v in nested.values()):
+            nested = {"model": nested}
+        imported = _from_mapping_lazy(nested, strip_prefix)
+        return write_portable(imported, dst, progress=progress)
+
+
+def _insert(tree: dict[Any, Any], route: list[Any], value: Any) -> None:
+    node = tree
+    for part in route[:-1]:
+        node = node.setdefault(part, {})
+    node[route[-1]] = value
+
+
+def _is_module_state_like(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(isinstance(k, str) for k in value)
+        and all(isinstance(v, (torch.Tensor, LazyTensor)) for v in value.values())
+    )
+
+
+def _from_mapping_lazy(nested: dict[str, Any], strip_prefix: str | None) -> Imported:
+    """Like :func:`_from_mapping` for DCP's tree (lazy tensors; param groups as lists)."""
+    tensors: dict[tuple[str, str, str], Any] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    extras: dict[str, Any] = {}
+    modules = [k for k, v in nested.items() if _is_module_state_like(v)]
+    for key, value in nested.items():
+        if key in modules:
+            tensors.update(_model_tensors(value, key, strip_prefix=strip_prefix))
+            objects[key] = {"type": "module", "class": "(imported)"}
+        elif _is_optimizer_state(value):
+            groups = value["param_groups"]
+            if isinstance(groups, dict):  # flattened by DCP: {"0": {...}} or {0: {...}}
+                groups = [groups[k] for k in sorted(groups, key=int)]
+            osd = {"state": value["state"], "param_groups": groups}
+            objects[key] = optimizer_import(
+                key, osd, None, tensors, modules[0] if modules else "model"
+            )
+        elif _try_encode(value, key):
+            extras[key] = value
+    return Imported(tensors, objects, extras, "import:dcp")
+
+
+def native_importers() -> dict[str, Any]:
+    return {
+        "safetensors": SafetensorsImporter(),
+        "torch": TorchFileImporter(),
+        "dcp": DCPImporter(),
+    }
+
+
+def importers() -> dict[str, Any]:
+    """Every registered importer (native ones and plugins'), by format name."""
+    from accelkit import registry
+
+    host = registry.host()
+    host.ensure_loaded()
+    found: dict[str, Any] = {}
+    for result in reversed(host.pm.hook.accelkit_checkpoint_importers()):
+        for name, importer in (result or {}).items():
+            found.setdefault(name, importer)  # the first registered (native) wins a name
+    return found
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    trust_pickle: bool = False,
+    fmt: str | None = None,
+    obj: str | None = None,
+    strip_prefix: str | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Convert ``src`` to ``dst``: a portable checkpoint into one file, or any importable
+    format into a portable checkpoint."""
+    try:
+        storage.resolve(src)
+        portable = True
+    except CheckpointError:
+        portable = False
+    if portable:
+        return export_file(src, dst, obj=obj, fmt=fmt, progress=progress)
+    if not Path(src).exists():
+        raise CheckpointError(f"{src}: no such file or directory")
+    available = importers()
+    for name, importer in available.items():
+        if importer.detect(src):
+            log.info("converting %s (%s) into a portable checkpoint at %s", src, name, dst)
+            options: dict[str, Any] = {"trust_pickle": trust_pickle}
+            if strip_prefix is not None:
+                options["strip_prefix"] = strip_prefix
+            if progress is not None:
+                options["progress"] = progress
+            result = importer.convert(src, dst, **options)
+            return Path(result) if result is not None else Path(dst)
+    raise CheckpointError(
+        f"{src}: not a portable checkpoint, and no importer recognises it "
+        f"(importers: {', '.join(sorted(available))})"
+    )
+
+
+@hookimpl
+def accelkit_checkpoint_importers() -> dict[str, Any]:
+    """The native importers, registered like a plugin's (accelkit.backends re-exports this)."""
+    return native_importers()
