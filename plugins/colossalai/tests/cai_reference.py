@@ -8,7 +8,9 @@ optimizer step and the final full parameters.
 
 The loop is the one accelkit promises (DESIGN.md): every micro-batch loss is divided by the
 accumulation steps N; the optimizer steps after N micro-batches or at the loader's last batch,
-whichever comes first (a short last window is still scaled by 1/N); clipping is the plugin's
+whichever comes first (a short last window is still scaled by 1/N); the window's earlier
+micro-batches run under ``booster.no_sync`` where the plugin supports it (TorchDDP, LowLevelZero
+stage 1) and under DDP's ``no_sync`` for plain torch; clipping is the plugin's
 ``max_norm`` (LowLevelZero) or ``clip_grad_norm_`` (DDP, TorchDDPPlugin).
 
 On the CPU, ColossalAI 0.5.0 needs the small workaround below (:func:`_cpu_workaround`) for
@@ -19,7 +21,6 @@ the code under test.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from typing import Any
 
@@ -136,14 +137,20 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             x, y = x.to(device), y.to(device)
-            out = model(x.to(low) if low is not None else x)
-            loss = F.mse_loss(out.float(), y)
+            closes = (i + 1) % steps == 0 or i + 1 == len(loader)
+            with contextlib.ExitStack() as stack:
+                if not closes and booster is not None and booster.plugin.support_no_sync():
+                    stack.enter_context(booster.no_sync(model, optimizer))
+                elif not closes and booster is None:
+                    stack.enter_context(model.no_sync())
+                out = model(x.to(low) if low is not None else x)
+                loss = F.mse_loss(out.float(), y)
+                if booster is not None:
+                    booster.backward(loss / steps, optimizer)
+                else:
+                    (loss / steps).backward()
             losses.append(_mean(loss))
-            if booster is not None:
-                booster.backward(loss / steps, optimizer)
-            else:
-                (loss / steps).backward()
-            if (i + 1) % steps and i + 1 != len(loader):
+            if not closes:
                 continue
             if kind == "booster_zero":
                 optimizer.step()
@@ -169,13 +176,3 @@ def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
         out[cfg["name"]] = run({**cfg, "device": device.type})
     dist.destroy_process_group()
     return out
-
-
-def max_abs(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
-    """Largest element difference between two parameter dumps (same keys)."""
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    worst = 0.0
-    for key in a:
-        for u, v in zip(a[key], b[key], strict=True):
-            worst = max(worst, abs(u - v) if math.isfinite(u - v) else math.inf)
-    return worst

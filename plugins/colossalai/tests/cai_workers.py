@@ -82,7 +82,7 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
         torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False), shuffle=False
     )
     losses, norms, skipped_sync = [], [], []
-    for epoch in range(job.get("epochs", 1)):
+    for _epoch in range(job.get("epochs", 1)):
         for x, y in loader:
             with accel.accumulate(model):
                 loss = F.mse_loss(model(x), y)
@@ -98,7 +98,6 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
         "norms": norms,
         "params": _flat(accel.full_state_dict(model)),
         "applied": accel.applied_steps,
-        "epochs_done": epoch + 1,
         "no_sync": accel.capabilities.no_sync,
     }
 
