@@ -321,7 +321,9 @@ class CheckpointReader:
     ) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened tensor, as a 1-D tensor.
 
-        Written into ``out`` (1-D, any device and dtype: cast on copy) when given.
+        Written into ``out`` (1-D, any device and dtype: cast on copy) when given. The checksum
+        of a fragment read whole into place may still be running when this returns: call
+        :meth:`finish` before trusting the data (``load`` does).
         """
         numel = entry.numel - start if numel is None else numel
         if start < 0 or numel < 0 or start + numel > entry.numel:
@@ -402,8 +404,10 @@ class CheckpointReader:
         return stage[:nbytes].view(dtype)
 
     def read(self, entry: TensorEntry, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The whole tensor in its global shape."""
-        return self.read_flat(entry, dtype=dtype).view(entry.shape)
+        """The whole tensor in its global shape, its checksums verified before it returns."""
+        tensor = self.read_flat(entry, dtype=dtype).view(entry.shape)
+        self.finish()
+        return tensor
 
     def read_named(self, obj: str, kind: str, fqn: str) -> torch.Tensor:
         entry = self.entry(obj, kind, fqn)
