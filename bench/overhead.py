@@ -13,8 +13,8 @@ The sides are interleaved so that drift of a shared machine hits both alike: eac
 both up (``--warmup`` steps), then times ``--steps`` steps per side in alternating chunks of
 ``--chunk`` steps (raw, accelkit, accelkit, raw, ...), and takes each side's median time per step
 over its chunks. ``torch.cuda.synchronize`` runs only at a chunk's two ends, so a hidden host sync
-per step (reading ``grad_norm``, say) shows as a slower accelkit side; on CUDA a chunk defaults to
-the whole ``--steps``. The ratio accelkit/raw is taken per repeat; the report gives the median over
+per step (reading ``grad_norm``, say) shows as a slower accelkit side; for the GPT a chunk is the
+whole ``--steps``, so that the GPU queue runs deep. The ratio accelkit/raw is taken per repeat; the report gives the median over
 repeats and its spread (min, max).
 
 Examples::
@@ -336,9 +336,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="steps per timed chunk; the sides alternate chunk by chunk "
-        "(default: 10 on cpu, --steps on cuda)",
+        "(default: 10 for mlp and null, --steps for gpt)",
     )
-    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats per side (>= 5)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved repeats per side (>= 5; 11 mlp, 7 gpt)",
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024, help="sequence length (gpt)")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="for the 'clip' variant")
@@ -363,7 +368,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--precision: the raw side implements 32-true, bf16-mixed and 16-mixed")
     args.steps = args.steps or (300 if is_mlp else 30)
     args.warmup = args.warmup if args.warmup is not None else (30 if is_mlp else 5)
-    args.chunk = args.chunk or (10 if args.device == "cpu" else args.steps)
+    # Small chunks pair the two sides tightly in time. The MLP is launch-bound on a GPU, so a sync
+    # every 10 steps costs both sides the same little; the GPT's chunk is the whole block.
+    args.chunk = args.chunk or (10 if is_mlp else args.steps)
+    args.repeats = args.repeats or (11 if is_mlp else 7)
     if args.chunk < 1 or args.steps % args.chunk:
         p.error("--steps must be a multiple of --chunk")
     if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
