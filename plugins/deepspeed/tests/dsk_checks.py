@@ -158,6 +158,36 @@ def behaviour() -> dict[str, Any]:
     return out
 
 
+def activation_checkpointing() -> dict[str, Any]:
+    """setup(activation_checkpointing=True) under ZeRO-3: the same losses as without it."""
+    losses = {}
+    for checkpointing in (False, True):
+        accel = accelkit.get("deepspeed_stage_3", seed=0)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            Net(), torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Linear(8, 3))
+        )
+        model, opt = accel.setup(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            activation_checkpointing=checkpointing,
+        )
+        torch.manual_seed(1)
+        x, y = torch.randn(4, 8), torch.randn(4, 3)
+        run = []
+        for _ in range(3):
+            loss = F.mse_loss(model(x), y)
+            accel.backward(loss)
+            opt.step()
+            run.append(float(loss))
+        losses[str(checkpointing)] = run
+        checkpointed = [
+            m for m in accel.unwrap(model).modules() if getattr(m, "_accelkit_checkpointed", False)
+        ]
+        losses[f"blocks_{checkpointing}"] = len(checkpointed)
+    return losses
+
+
 def fp16_refused() -> dict[str, Any]:
     """On a device where DeepSpeed's accelerator reports no fp16 (the CPU of many machines),
     16-true fails at get() with the way out, not deep inside deepspeed.initialize."""
@@ -174,4 +204,9 @@ def fp16_refused() -> dict[str, Any]:
 def all_checks() -> dict[str, Any]:
     """Every check above in one process (one launch is most of a check's cost); fp16 last, as
     it patches DeepSpeed's accelerator class."""
-    return {"guard": zero_init_guard(), "behaviour": behaviour(), "fp16": fp16_refused()}
+    return {
+        "guard": zero_init_guard(),
+        "behaviour": behaviour(),
+        "checkpointing": activation_checkpointing(),
+        "fp16": fp16_refused(),
+    }

@@ -196,11 +196,20 @@ def raw_torch(s: dict[str, Any]) -> dict[str, Any]:
     precision = s["precision"]
     device = torch.device(s.get("device", "cpu"))
     torch.manual_seed(s["seed"])
-    model = Net().to(device)
+    if precision == "bf16-true" and s.get("zero_init"):
+        # deepspeed.zero.Init with the bf16 section builds the weights in bf16 directly
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = Net().to(device)
+        finally:
+            torch.set_default_dtype(previous)
+    else:
+        model = Net().to(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if precision == "bf16-true":
-        master = model  # fp32 master weights, stepped by the optimizer
-        model = copy.deepcopy(master).to(torch.bfloat16)  # what forward/backward run on
+        master = copy.deepcopy(model).float()  # fp32 master weights, stepped by the optimizer
+        model = model.to(torch.bfloat16)  # what forward/backward run on
     else:
         master = model
     optimizer = make_optimizer(s["optimizer"], master.parameters())

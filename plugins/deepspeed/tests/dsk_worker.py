@@ -28,21 +28,10 @@ def compare(
         results[i]["accel"] = dsk_accel.train(s)
         results[i]["deepspeed"] = dsk_reference.raw_deepspeed(s)
         if torch_reference and s["precision"] != "16-true":
-            key = repr(
-                sorted(
-                    (k, v)
-                    for k, v in s.items()
-                    if k
-                    not in (
-                        "stage",
-                        "offload_optimizer",
-                        "offload_param",
-                        "zero_init",
-                        "name",
-                        "config",
-                    )
-                )
-            )
+            # raw PyTorch does not depend on the stage or offload (zero_init matters: under
+            # bf16-true, zero.Init builds the weights in bf16)
+            ignored = ("stage", "offload_optimizer", "offload_param", "name", "config")
+            key = repr(sorted((k, v) for k, v in s.items() if k not in ignored))
             if key not in torch_cache:
                 torch_cache[key] = dsk_reference.raw_torch(s)
             results[i]["torch"] = torch_cache[key]

@@ -85,6 +85,12 @@ def test_native_json_config_is_used_as_is_with_its_own_optimizer(behaviour):
     assert "names an optimizer" in behaviour["both_optimizers"]
 
 
+def test_activation_checkpointing_under_zero3_changes_no_numbers(checks):
+    result = checks["checkpointing"]
+    assert result["blocks_True"] > 0 and result["blocks_False"] == 0
+    assert result["True"] == result["False"]
+
+
 def test_fp16_is_refused_at_get_where_the_device_lacks_it(checks):
     result = checks["fp16"]
     assert result["16-true"].startswith("ConfigError")

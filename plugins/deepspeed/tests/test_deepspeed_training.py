@@ -136,7 +136,8 @@ def test_bf16_mixed_stages_0_to_3_autocast_with_fp32_weights():
 
 @pytest.mark.slow
 def test_bf16_true_stages_0_to_3_bf16_weights_fp32_master():
-    scenarios = [dict(COMMON, stage=stage, precision="bf16-true") for stage in (0, 1, 2, 3)]
+    scenarios = [dict(COMMON, stage=stage, precision="bf16-true") for stage in (0, 1, 2)]
+    scenarios.append(dict(COMMON, stage=3, precision="bf16-true", zero_init=True))
     ranks = run(scenarios)
     check_training(scenarios, ranks)
     assert {r["accel"]["param_dtype"] for r in ranks[0]} == {str(torch.bfloat16)}
