@@ -4,6 +4,7 @@ purpose: the raw references (cai_reference.py) share no code with this side."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -66,7 +67,21 @@ def _fresh_optimizer_check(accel: Any, model: Any, optimizer: Any) -> None:
     assert isinstance(optimizer, torch.optim.Optimizer)
 
 
+class _Count(logging.Handler):
+    """Counts accelkit's warning that gradients are reduced at every micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "reduced at every micro-batch" in record.getMessage():
+            self.count += 1
+
+
 def train(job: dict[str, Any]) -> dict[str, Any]:
+    counter = _Count()
+    logging.getLogger("accelkit").addHandler(counter)
     accel = accelkit.get(
         job["backend"],
         job.get("options"),
@@ -93,12 +108,14 @@ def train(job: dict[str, Any]) -> dict[str, Any]:
                     norms.append(float(accel.grad_norm))
                 skipped_sync.append(accel.step_was_skipped)
             optimizer.zero_grad()
+    logging.getLogger("accelkit").removeHandler(counter)
     return {
         "losses": losses,
         "norms": norms,
         "params": _flat(accel.full_state_dict(model)),
         "applied": accel.applied_steps,
         "no_sync": accel.capabilities.no_sync,
+        "sync_warnings": counter.count,
     }
 
 

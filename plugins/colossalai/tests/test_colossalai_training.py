@@ -143,3 +143,10 @@ def test_ranks_agree_on_the_weights(results):
     for name in ("zero2", "zero1", "cddp"):
         a, b = results["accelkit"][name]["params"], results["accelkit_rank1"][name]["params"]
         assert params_diff(a, b) == 0.0
+
+
+def test_accumulate_without_no_sync_warns_once(results):
+    # ZeRO-2 has no no_sync: 2 windows of 3 with 2 non-closing micro-batches each, one warning
+    assert results["accelkit"]["zero2"]["sync_warnings"] == 1
+    assert results["accelkit"]["zero1"]["sync_warnings"] == 0
+    assert results["accelkit"]["cddp"]["sync_warnings"] == 0
