@@ -32,11 +32,24 @@ from accelkit import distributed
 from accelkit.backend import Backend, Capabilities, Settings, SetupResult, StepResult
 from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.modules import apply_activation_checkpointing
-from accelkit.precision import Precision, _cast_floats, low_dtype
+from accelkit.precision import Precision, low_dtype
 from accelkit_deepspeed import config as dsconfig
 from accelkit_deepspeed import zero_init
 
 log = logging.getLogger("accelkit")
+
+
+def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in nested containers cast to ``dtype``; everything else as is."""
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if torch.is_floating_point(data) and data.dtype != dtype else data
+    if isinstance(data, dict):
+        return type(data)((k, _cast_floats(v, dtype)) for k, v in data.items())
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_cast_floats(v, dtype) for v in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_cast_floats(v, dtype) for v in data)
+    return data
 
 
 class EnginePrecision(Precision):
@@ -50,6 +63,9 @@ class EnginePrecision(Precision):
         self.name = precision
         self.input_dtype = low_dtype(precision) if precision in ("bf16-true", "16-true") else None
         self.cast_output = precision != "32-true"
+
+    def convert_input(self, data: Any) -> Any:
+        return _cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
 
     def convert_output(self, data: Any) -> Any:
         return _cast_floats(data, torch.float32) if self.cast_output else data
