@@ -62,20 +62,23 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="accelkit-dist-") as tmp:
         outdir = Path(tmp)
         (outdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
-            str(HERE / "_dist.py"),
-            target,
-            str(outdir),
-        ]
-        proc = subprocess.run(
-            cmd, env=worker_env(env), capture_output=True, text=True, timeout=timeout
-        )
+        for _attempt in range(2):  # a second try only if another process took the free port
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={nproc}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}",
+                str(HERE / "_dist.py"),
+                target,
+                str(outdir),
+            ]
+            proc = subprocess.run(
+                cmd, env=worker_env(env), capture_output=True, text=True, timeout=timeout
+            )
+            if "address already in use" not in proc.stderr.lower():
+                break
         if proc.returncode != 0:
             raise AssertionError(
                 f"{target} failed on {nproc} processes (exit {proc.returncode})\n"
