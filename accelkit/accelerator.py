@@ -234,10 +234,16 @@ class Accelerator:
         # that reduces gradients at its own accumulation boundary)
         hook = getattr(self.backend, "before_backward", None)
         if hook is not None:
-            windows = list(self._windows.values())
+            windows = self._windows_of((model,) if model is not None else ())
             closes = not windows or any(self._closes_next(w) for w in windows)
             hook(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
+
+    def _windows_of(self, models: tuple[torch.nn.Module, ...]) -> list[_Window]:
+        """The windows of the optimizers of ``models`` (of all optimizers when none match)."""
+        ids = {id(m) for m in models}
+        own = [self._windows[id(o)] for o in self._optimizers if id(o._model) in ids]
+        return own or list(self._windows.values())
 
     def _closes_next(self, window: _Window) -> bool:
         return window.micro + 1 >= self.accumulation_steps or self._end_of_loader
@@ -254,7 +260,7 @@ class Accelerator:
     @contextlib.contextmanager
     def _accumulate_without_sync(self, models: tuple[torch.nn.Module, ...]) -> Iterator[None]:
         models = models or tuple(self._models)
-        windows = list(self._windows.values())
+        windows = self._windows_of(models)
         closes = not windows or any(self._closes_next(w) for w in windows)
         caps = self.capabilities
         skip = (
@@ -462,6 +468,70 @@ class Accelerator:
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model state dict (a gather on sharded backends; for export)."""
         return self.backend.full_state_dict(model)
+
+    # ---- loop features: preemption, resume, tracking (accelkit.preemption, accelkit.tracking) --
+    @property
+    def should_stop(self) -> bool:
+        """True on every rank, at the same step, once any rank got a stop signal (SIGTERM or
+        SIGUSR1 by default) or called :meth:`request_stop`. Read it at the step boundary; when
+        True, save and leave the loop. Each read is one small all-reduce; the first read
+        installs the signal handlers (see :mod:`accelkit.preemption`)."""
+        from accelkit.preemption import watcher_of
+
+        return watcher_of(self).check(self.device)
+
+    def stop_on_signals(self, *signals: Any, check_every: int = 1) -> None:
+        """Choose the signals that set :attr:`should_stop` (default SIGTERM, SIGUSR1) and install
+        their handlers now; ``check_every=N`` all-reduces only every N-th read."""
+        from accelkit.preemption import stop_on_signals
+
+        stop_on_signals(self, signals or None, check_every=check_every)
+
+    def request_stop(self) -> None:
+        """Make :attr:`should_stop` True on every rank at its next read (a loop's own reason)."""
+        from accelkit.preemption import watcher_of
+
+        watcher_of(self, install=False).request()
+
+    def auto_resume(
+        self, directory: str | os.PathLike, state: dict[str, Any], **kwargs: Any
+    ) -> Any:
+        """Load the newest complete checkpoint under ``directory`` into ``state`` if there is
+        one; return its path, or None. Also installs the stop-signal handlers."""
+        from accelkit.preemption import auto_resume, watcher_of
+
+        watcher_of(self)
+        return auto_resume(self, directory, state, **kwargs)
+
+    def init_trackers(
+        self,
+        directory: str | os.PathLike,
+        trackers: Any = ("csv",),
+        *,
+        config: dict[str, Any] | None = None,
+        tracker_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Trackers for :meth:`log`, built on rank 0: ``"csv"``, ``"tensorboard"``, a plugin's
+        name (``accelkit_loggers`` hook), or tracker objects."""
+        from accelkit.tracking import init_trackers
+
+        init_trackers(self, directory, trackers, config=config, tracker_kwargs=tracker_kwargs)
+
+    def log(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Log scalars on rank 0 (other ranks return at once); ``step`` defaults to
+        :attr:`applied_steps`."""
+        from accelkit.tracking import log_metrics
+
+        log_metrics(self, metrics, step)
+
+    def end_training(self) -> None:
+        """Close the trackers and give the stop signals back to their former handlers."""
+        trackers = self.__dict__.pop("_trackers", None)
+        if trackers is not None:
+            trackers.finish()
+        watcher = self.__dict__.get("_stop_signal")
+        if watcher is not None:
+            watcher.uninstall()
 
     def teardown(self) -> None:
         self.backend.teardown()

@@ -1,0 +1,255 @@
+"""Preemption: stop at a step boundary on a signal, save, exit 0; resume from the latest checkpoint.
+
+A cluster warns a job before it kills it: SLURM sends ``SIGUSR1`` (``--signal=USR1@120``) or
+``SIGTERM`` (at ``scancel`` and at the time limit, ``KillWait`` seconds before ``SIGKILL``),
+Kubernetes and most cloud spot instances send ``SIGTERM``. The signal may reach one rank or all of
+them, at any point of a step. :class:`StopSignal` turns it into a flag that every rank reads at the
+same step: ``accel.should_stop`` all-reduces the flag (max over ranks), so if any rank was
+signalled, every rank sees ``True`` at the same check and the loop saves the same step everywhere::
+
+    for batch in loader:
+        ...
+        accel.step()
+        if accel.should_stop:                  # one tiny all-reduce per check
+            accel.save(f"ckpt/step-{step}", state)
+            break                              # the script ends normally: exit status 0
+
+and at the start of the script, ``accel.auto_resume("ckpt", state)`` loads the newest complete
+checkpoint there, if there is one.
+
+Handlers are installed the first time the loop asks (``accel.should_stop``) or by
+:meth:`Accelerator.stop_on_signals`; until then a signal does what it did before. Once installed,
+a signal no longer terminates the process: the loop must check ``should_stop``. A second signal is
+also only recorded, so a save already running is not cut short by a later ``SIGTERM``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from accelkit import distributed
+from accelkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from accelkit.accelerator import Accelerator
+
+log = logging.getLogger("accelkit")
+
+#: what a cluster sends before it kills a job: SIGTERM (scancel, time limit, Kubernetes, spot
+#: instances) and SIGUSR1 (SLURM's configurable warning, ``--signal=USR1@<seconds>``)
+DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+
+
+def _as_signal(value: str | int | signal.Signals) -> signal.Signals | None:
+    """``"SIGTERM"``, ``"TERM"``, ``15`` or ``signal.SIGTERM`` -> the signal; None where this
+    platform lacks it (SIGUSR1 on Windows)."""
+    if isinstance(value, signal.Signals):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return signal.Signals(value)
+        except ValueError as err:
+            raise ConfigError(f"{value} is not a signal number") from err
+    if isinstance(value, str):
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in signal.Signals.__members__:
+            return signal.Signals[name]
+        if name in ("SIGUSR1", "SIGUSR2", "SIGHUP"):
+            return None  # a POSIX signal this platform does not have
+        raise ConfigError(f"unknown signal {value!r}; use a name such as 'SIGTERM' or 'SIGUSR1'")
+    raise ConfigError(f"a signal is a name or a number, got {type(value).__name__}")
+
+
+class StopSignal:
+    """Turns signals into a stop flag that every rank reads the same at the same step.
+
+    ``check_every`` reads out of ``check_every`` do the all-reduce; the others return the last
+    agreed value. Ranks stay in step because each rank counts its own reads and the loop reads
+    at the same places on every rank.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[str | int | signal.Signals] = DEFAULT_SIGNALS,
+        *,
+        check_every: int = 1,
+    ) -> None:
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ConfigError(f"check_every must be an int >= 1, got {check_every!r}")
+        resolved = [_as_signal(s) for s in signals]
+        self.signals: tuple[signal.Signals, ...] = tuple(dict.fromkeys(s for s in resolved if s))
+        self.check_every = check_every
+        #: the signal this rank received first (None: none yet)
+        self.received: signal.Signals | None = None
+        #: set by :meth:`request` (a loop's own reason to stop: a time budget, a divergence)
+        self.requested = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._agreed = False
+        self._reads = 0
+        self._reported = False
+
+    # ---- handlers -----------------------------------------------------------------------------
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> bool:
+        """Install the handlers (main thread only); False where they could not be installed."""
+        if self.installed:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "accelkit: signal handlers can only be installed from the main thread; "
+                "should_stop reacts to request_stop() only"
+            )
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Give the signals back to the handlers that were there before."""
+        for sig, previous in self._previous.items():
+            try:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):  # not the main thread, or a foreign handler object
+                log.debug("could not restore the handler of %s", sig.name)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # keep a signal handler minimal: record, and let the step boundary do the rest
+        if self.received is None:
+            self.received = signal.Signals(signum)
+
+    def request(self) -> None:
+        """Ask every rank to stop at the next check, as a signal on this rank would."""
+        self.requested = True
+
+    @property
+    def local(self) -> bool:
+        """Whether this rank alone wants to stop (no collective)."""
+        return self.received is not None or self.requested
+
+    # ---- agreement ----------------------------------------------------------------------------
+    def check(self, device: torch.device | str = "cpu") -> bool:
+        """True on every rank once any rank was signalled (an all-reduce with several ranks)."""
+        if self._agreed:
+            return True
+        self._reads += 1
+        if (self._reads - 1) % self.check_every:
+            return False
+        flag = torch.tensor([1 if self.local else 0], dtype=torch.int32, device=device)
+        wanted = distributed.all_reduce(flag, "max")
+        if int(wanted.item()) > 0:
+            self._agreed = True
+            self._report()
+        return self._agreed
+
+    def _report(self) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        why = (
+            f"received {self.received.name}"
+            if self.received is not None
+            else ("stop requested" if self.requested else "another rank was told to stop")
+        )
+        rank = torch.distributed.get_rank() if distributed.is_initialized() else 0
+        # every rank logs (the rank-zero filter shows rank 0's line): which rank saw what
+        log.warning("rank %d: %s; stopping at this step boundary", rank, why)
+
+    def reset(self) -> None:
+        """Forget a stop (after the loop handled it, to keep training in the same process)."""
+        self.received, self.requested = None, False
+        self._agreed, self._reported = False, False
+
+
+# ---- the Accelerator's side ----------------------------------------------------------------------
+def watcher_of(accel: Accelerator, *, install: bool = True) -> StopSignal:
+    """The accelerator's :class:`StopSignal`, created with the default signals on first use."""
+    watcher = accel.__dict__.get("_stop_signal")
+    if watcher is None:
+        watcher = StopSignal()
+        accel.__dict__["_stop_signal"] = watcher
+    if install and not watcher.installed:
+        watcher.install()
+    return watcher
+
+
+def stop_on_signals(
+    accel: Accelerator,
+    signals: Iterable[str | int | signal.Signals] | None = None,
+    *,
+    check_every: int = 1,
+) -> StopSignal:
+    """Install (or replace) the accelerator's signal handlers; ``signals=()`` installs none."""
+    old = accel.__dict__.get("_stop_signal")
+    if old is not None:
+        old.uninstall()
+    watcher = StopSignal(DEFAULT_SIGNALS if signals is None else signals, check_every=check_every)
+    if old is not None:  # a stop already on its way is not lost by reconfiguring
+        watcher.received, watcher.requested = old.received, old.requested
+    watcher.install()
+    accel.__dict__["_stop_signal"] = watcher
+    return watcher
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
+
+    ``latest`` names it when valid; otherwise (a save killed between its rename and the pointer
+    update, or a pointer to a deleted directory) the complete checkpoint directory with the
+    newest manifest. Half-written saves never carry a checkpoint's name, so they are not seen.
+    """
+    from accelkit.checkpoint import storage
+    from accelkit.errors import CheckpointError
+
+    directory = Path(directory)
+    if not directory.exists():
+        return None
+    if storage.is_checkpoint(directory):
+        return directory
+    pointer = directory / storage.LATEST_NAME
+    if pointer.is_file():
+        try:
+            return storage.resolve(directory)
+        except CheckpointError as err:
+            log.warning("%s; looking for the newest complete checkpoint instead", err)
+    candidates = [
+        p
+        for p in directory.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and storage.is_checkpoint(p)
+    ]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (storage._created(p), p.name))
+
+
+def auto_resume(
+    accel: Accelerator, directory: str | Path, state: dict[str, Any], **load_kwargs: Any
+) -> Path | None:
+    """Load the newest complete checkpoint under ``directory`` into ``state``; None if none.
+
+    Rank 0 picks the checkpoint and every rank loads that one (ranks never disagree because one
+    of them saw a newer directory first). Plain values in ``state`` (a step counter) are replaced
+    by the saved ones; ``load_kwargs`` go to :meth:`Accelerator.load`.
+    """
+    found = latest_checkpoint(directory) if accel.rank == 0 else None
+    chosen = distributed.broadcast_object(None if found is None else str(found), 0)
+    if chosen is None:
+        log.info("auto_resume: no checkpoint under %s; starting fresh", directory)
+        return None
+    path = Path(chosen)
+    unconsumed = accel.load(path, state, **load_kwargs)
+    if unconsumed:
+        log.debug("auto_resume: saved but not in state: %s", ", ".join(sorted(unconsumed)))
+    log.info("resumed from %s", path)
+    return path
