@@ -26,16 +26,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def clean_process_state():
-    """Restore os.environ, the default dtype, the plugin host and the process group."""
+    """Restore os.environ, the default dtype and the process group; forget the plugin host
+    when the test changed it (in-process plugins, plugins disabled)."""
     saved_env = dict(os.environ)
     saved_dtype = torch.get_default_dtype()
-    from accelkit import registry
-
-    registry.reset()
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    registry.reset()
+    from accelkit import registry
+
+    host = registry._HOST
+    if host is not None and (
+        any(p.distribution == "(in process)" for p in host.plugins)
+        or os.environ.get(registry.DISABLE_ENV) != saved_env.get(registry.DISABLE_ENV)
+    ):
+        registry.reset()
     torch.set_default_dtype(saved_dtype)
     os.environ.clear()
     os.environ.update(saved_env)
@@ -53,4 +58,5 @@ def only_native_plugins(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(registry, "_entry_points", native_only)
     registry.reset()
-    return registry
+    yield registry
+    registry.reset()  # the next test sees every installed plugin again
