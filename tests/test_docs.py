@@ -10,7 +10,10 @@ not show when the page is rendered)::
 
 Options combine (``<!-- doc-test: nproc=2 timeout=300 -->``); ``<!-- skip-test -->`` is accepted
 as a synonym of ``skip``. Each block is self-contained: it runs in a new temporary directory with
-no state from the blocks before it. A failure names the file and the line of the block.
+no state from the blocks before it. A page whose examples build on each other carries the line
+``<!-- doc-test: session -->`` (anywhere outside a fence): its blocks then run in order, in one
+interpreter, as one test. A failure names the file and the line of the block, and the line
+numbers of a traceback are the page's own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ DOCS = ROOT / "docs"
 DEFAULT_TIMEOUT_S = 180
 PYTHON_INFO = {"python", "py", "python3"}
 MARKER = re.compile(r"^<!--\s*(doc-test:(?P<opts>.*?)|(?P<skip>skip-test))\s*-->$")
+SESSION = re.compile(r"^<!--\s*doc-test:\s*session\s*-->$")
 FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
 
@@ -43,6 +47,8 @@ class DocBlock:
     requires: tuple[str, ...] = ()
     nproc: int = 1
     timeout: int = DEFAULT_TIMEOUT_S
+    #: the page runs as one session (``<!-- doc-test: session -->``)
+    session: bool = False
 
     @property
     def where(self) -> str:
@@ -82,11 +88,14 @@ def extract_blocks(path: Path) -> list[DocBlock]:
     lines = path.read_text(encoding="utf-8").splitlines()
     blocks: list[DocBlock] = []
     previous = ""  # last non-blank line outside a fence
+    session = False
     i = 0
     while i < len(lines):
         match = FENCE.match(lines[i])
         if not match:
-            if lines[i].strip():
+            if SESSION.match(lines[i].strip()):
+                session = True
+            elif lines[i].strip():
                 previous = lines[i]
             i += 1
             continue
@@ -115,7 +124,35 @@ def extract_blocks(path: Path) -> list[DocBlock]:
             code = "\n".join(line[indent:] if line[:indent].isspace() else line for line in body)
             blocks.append(DocBlock(path, start + 1, code + "\n", **parse_marker(previous, where)))
         previous = lines[start]
+    for block in blocks:
+        block.session = session
     return blocks
+
+
+def session_block(blocks: list[DocBlock]) -> DocBlock:
+    """One block that runs a session page's blocks in order, in one interpreter.
+
+    Each block is compiled under the page's path, padded so that its line numbers are the
+    page's; they run in the script's own globals (so that pickling by reference works).
+    """
+    runnable = [b for b in blocks if not b.skip]
+    first = blocks[0]
+    if any(b.nproc != 1 for b in runnable):
+        raise ValueError(f"{first.where}: a doc-test session runs in one process (no nproc)")
+    lines = []
+    for block in runnable:
+        source = "\n" * (block.line) + block.code
+        lines.append(f"exec(compile({source!r}, {str(block.path)!r}, 'exec'), globals())")
+    requires = tuple(dict.fromkeys(r for b in runnable for r in b.requires))
+    return DocBlock(
+        first.path,
+        runnable[0].line if runnable else first.line,
+        "\n".join(lines) + "\n",
+        skip=not runnable,
+        requires=requires,
+        timeout=sum(b.timeout for b in runnable) or DEFAULT_TIMEOUT_S,
+        session=True,
+    )
 
 
 def all_blocks() -> list[DocBlock]:
@@ -143,7 +180,9 @@ def _free_port() -> int:
 
 def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
     script = workdir / f"doc_{block.path.stem}_{block.line}.py"
-    script.write_text(block.code, encoding="utf-8")
+    # blank lines first, so that a traceback's line numbers are the page's
+    padding = "" if block.session else "\n" * block.line
+    script.write_text(padding + block.code, encoding="utf-8")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -177,9 +216,21 @@ def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _runs() -> list[DocBlock]:
+    """What the tests run: every block, except that a session page is one block."""
+    runs = []
+    for page in sorted(DOCS.rglob("*.md")):
+        blocks = extract_blocks(page)
+        if blocks and blocks[0].session:
+            runs.append(session_block(blocks))
+        else:
+            runs.extend(blocks)
+    return runs
+
+
 def _params() -> list:
     params = []
-    for block in all_blocks():
+    for block in _runs():
         marks = []
         if block.skip:
             marks.append(pytest.mark.skip(reason="marked doc-test: skip"))
@@ -200,9 +251,10 @@ def test_doc_block_runs(block: DocBlock, tmp_path: Path) -> None:
         pytest.fail(f"{block.where}: the example did not finish within {err.timeout} s")
     if result.returncode != 0:
         tail = (result.stdout[-3000:] + "\n" + result.stderr[-6000:]).strip()
+        what = "the page's examples (a doc-test session)" if block.session else "the example"
         pytest.fail(
-            f"{block.where}: the example exited with {result.returncode}.\n"
-            f"(mark it <!-- doc-test: skip --> if it is a fragment)\n{tail}",
+            f"{block.where}: {what} exited with {result.returncode}; line numbers below are "
+            f"the page's. (Mark a fragment <!-- doc-test: skip -->.)\n{tail}",
             pytrace=False,
         )
 
@@ -245,10 +297,44 @@ def test_extractor_reads_fences_markers_and_lines(tmp_path: Path) -> None:
 
 
 def test_a_failing_block_fails_and_names_its_line(tmp_path: Path) -> None:
-    block = DocBlock(DOCS / "example.md", 42, "raise SystemExit('boom')\n", timeout=60)
+    block = DocBlock(DOCS / "example.md", 42, "x = 1\nraise ValueError('boom')\n", timeout=60)
     result = run_block(block, tmp_path)
-    assert result.returncode != 0 and "boom" in result.stderr
+    assert result.returncode != 0 and "ValueError: boom" in result.stderr
     assert block.where == "docs/example.md:42"
+    assert ", line 44," in result.stderr  # the page's line: fence at 42, code from 43
+
+
+def test_a_session_page_runs_in_order_and_names_the_failing_line(tmp_path: Path) -> None:
+    page = tmp_path / "session.md"
+    page.write_text(
+        "<!-- doc-test: session -->\n"  # 1
+        "```python\n"  # 2
+        "import pickle\n"  # 3
+        "def double(v):\n"  # 4
+        "    return 2 * v\n"  # 5
+        "```\n"  # 6
+        "<!-- doc-test: skip -->\n"  # 7
+        "```python\n"  # 8
+        "raise RuntimeError('skipped, never runs')\n"  # 9
+        "```\n"  # 10
+        "```python\n"  # 11
+        "assert pickle.loads(pickle.dumps(double))(21) == 42\n"  # 12
+        "print('shared state ok')\n"  # 13
+        "```\n",  # 14
+        encoding="utf-8",
+    )
+    block = session_block(extract_blocks(page))
+    assert block.session and block.line == 2 and block.timeout == 2 * DEFAULT_TIMEOUT_S
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_block(block, work)
+    assert result.returncode == 0, result.stderr
+    assert "shared state ok" in result.stdout
+
+    page.write_text(page.read_text().replace("* v", "* w"), encoding="utf-8")
+    result = run_block(session_block(extract_blocks(page)), work)
+    assert result.returncode != 0 and "NameError" in result.stderr
+    assert f'File "{page}", line 5' in result.stderr
 
 
 def test_the_docs_have_examples_and_the_plugin_example_is_run() -> None:
