@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-METHODS = ("accelkit", "torch", "dcp")
+METHODS = ("accelkit", "torch", "dcp")  # also: accelkit-noverify (load without checksums)
 WIDTH = 2048
 
 
@@ -133,7 +133,7 @@ def _sync(device: str) -> None:
 def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
     import torch
 
-    if method == "accelkit":
+    if method.startswith("accelkit"):
         from accelkit.checkpoint import save
 
         save(None, path, {"model": model, "optimizer": opt}, rng=False, latest=False)
@@ -156,10 +156,11 @@ def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
 def _load(method: str, model, opt, path: Path, device: str) -> None:
     import torch
 
-    if method == "accelkit":
+    if method.startswith("accelkit"):
         from accelkit.checkpoint import load
 
-        load(None, path, {"model": model, "optimizer": opt}, rng=False)
+        verify = method != "accelkit-noverify"
+        load(None, path, {"model": model, "optimizer": opt}, rng=False, verify=verify)
     elif method == "torch":
         state = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
@@ -297,7 +298,7 @@ def main() -> int:
     print("GB/s: median [min-max] over repeats. Extra memory (MB, median): peak RSS above the")
     print("start (incl. mapped file pages) / peak anonymous memory above the start.")
     header = (
-        f"{'method':22s} {'save GB/s':>22s} {'load GB/s':>22s}  save MB rss/anon  load MB rss/anon"
+        f"{'method':26s} {'save GB/s':>22s} {'load GB/s':>22s}  save MB rss/anon  load MB rss/anon"
     )
     print(header)
     summary: dict[str, Any] = {}
@@ -306,9 +307,14 @@ def main() -> int:
         save = _summary(rs, "save_s")
         load = _summary(rs, "load_s")
         summary[method] = {"save_gbps": save, "load_gbps": load}
-        label = {"accelkit": "accelkit", "torch": "torch.save/load +fsync", "dcp": "DCP"}[method]
+        label = {
+            "accelkit": "accelkit",
+            "accelkit-noverify": "accelkit (load unverified)",
+            "torch": "torch.save/load +fsync",
+            "dcp": "DCP",
+        }[method]
         print(
-            f"{label:22s} {save[0]:8.2f} [{save[1]:5.2f}-{save[2]:5.2f}] "
+            f"{label:26s} {save[0]:8.2f} [{save[1]:5.2f}-{save[2]:5.2f}] "
             f"{load[0]:8.2f} [{load[1]:5.2f}-{load[2]:5.2f}]  "
             f"{_mb([r['save_rss_extra'] for r in rs])} {_mb([r['save_anon_extra'] for r in rs])}"
             f"  {_mb([r['load_rss_extra'] for r in rs])} {_mb([r['load_anon_extra'] for r in rs])}"
@@ -317,7 +323,7 @@ def main() -> int:
             nofsync = _summary(rs, "save_nofsync_s")
             summary["torch"]["save_nofsync_gbps"] = nofsync
             print(
-                f"{'torch.save (no fsync)':22s} {nofsync[0]:8.2f} [{nofsync[1]:5.2f}-{nofsync[2]:5.2f}]"
+                f"{'torch.save (no fsync)':26s} {nofsync[0]:8.2f} [{nofsync[1]:5.2f}-{nofsync[2]:5.2f}]"
             )
     print(f"total {time.time() - started:.0f} s")
     if args.out:
