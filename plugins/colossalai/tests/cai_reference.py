@@ -176,3 +176,75 @@ def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
         out[cfg["name"]] = run({**cfg, "device": device.type})
     dist.destroy_process_group()
     return out
+
+
+# ---- HybridParallelPlugin on a tiny Llama (Shardformer needs a model it has a policy for) ----
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def token_data() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    return torch.utils.data.TensorDataset(torch.randint(0, 128, (16, 12), generator=generator))
+
+
+def hybrid_runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
+    """HybridParallelPlugin runs: tp_size, zero_stage, precision; 2 steps of accumulation 2."""
+    device = _init("cpu")
+    _cpu_workaround()
+    from colossalai.accelerator import api
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    accelerator = api.get_accelerator()
+    type(accelerator).get_rng_state = lambda self, device=None: torch.get_rng_state()
+    type(accelerator).set_rng_state = lambda self, state, device=None: torch.set_rng_state(state)
+    type(accelerator).manual_seed = lambda self, seed: torch.manual_seed(seed)
+    out = {}
+    for cfg in cfgs:
+        plugin = HybridParallelPlugin(
+            tp_size=cfg["tp_size"],
+            pp_size=1,
+            zero_stage=cfg.get("zero_stage", 0),
+            precision=cfg.get("precision", "fp32"),
+            overlap_communication=False,
+            max_norm=cfg.get("max_norm", 0.0),
+        )
+        booster = Booster(plugin=plugin)
+        model = tiny_llama().to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        data = token_data()
+        dp_rank = dist.get_group_rank(plugin.dp_group, dist.get_rank())
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=plugin.dp_group.size(), rank=dp_rank, shuffle=False
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+        losses = []
+        steps = 2
+        for i, (ids,) in enumerate(loader):
+            closes = (i + 1) % steps == 0 or i + 1 == len(loader)
+            with contextlib.ExitStack() as stack:
+                if not closes and cfg.get("zero_stage", 0) != 2:
+                    stack.enter_context(booster.no_sync(model, optimizer))
+                loss = model(input_ids=ids, labels=ids).loss.float()
+                booster.backward(loss / steps, optimizer)
+            losses.append(_mean(loss))
+            if closes:
+                optimizer.step()
+                optimizer.zero_grad()
+        out[cfg["name"]] = {"losses": losses, "dp": [dp_rank, plugin.dp_group.size()]}
+    dist.destroy_process_group()
+    return out

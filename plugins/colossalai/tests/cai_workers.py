@@ -190,3 +190,56 @@ def ckpt_job(job: dict[str, Any]) -> dict[str, Any]:
 def ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ.setdefault("ACCELKIT_LOG_LEVEL", "WARNING")
     return {job["name"]: ckpt_job(job) for job in jobs}
+
+
+# ---- colossalai_hybrid on a tiny Llama ----------------------------------------------------------
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _tokens() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(5)
+    return torch.utils.data.TensorDataset(torch.randint(0, 128, (16, 12), generator=generator))
+
+
+def hybrid_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for job in jobs:
+        accel = accelkit.get(
+            "colossalai_hybrid",
+            {"tp_size": job["tp_size"], "zero_stage": job.get("zero_stage", 0)},
+            precision=job.get("precision"),
+            accumulation_steps=2,
+        )
+        net = _tiny_llama()
+        model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+        loader = accel.setup_dataloader(
+            torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
+        )
+        losses = []
+        for (ids,) in loader:
+            with accel.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss.float()
+                accel.backward(loss)
+            losses.append(_mean(loss))
+            accel.step()
+            optimizer.zero_grad()
+        backend = accel.backend
+        out[job["name"]] = {
+            "losses": losses,
+            "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
+            "applied": accel.applied_steps,
+        }
+    return out
