@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("colossalai")
 pytest.importorskip("transformers")
 
-from cai_run import run_ranks  # noqa: E402
+from cai_run import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_losses_equal_raw_booster(results, name):
 
 
 def test_sampler_shards_by_data_parallel_rank(results):
-    reference, ours = results
+    _reference, ours = results
     assert [ours[r]["tp1"]["dp"] for r in (0, 1)] == [[0, 2], [1, 2]]
     assert [ours[r]["tp2"]["dp"] for r in (0, 1)] == [[0, 1], [0, 1]]
     assert len(ours[0]["tp2"]["losses"]) == 8  # 16 samples, batch 2, one data-parallel rank
