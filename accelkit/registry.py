@@ -172,6 +172,9 @@ class PluginHost:
         except Exception as err:  # a broken plugin must not break the others
             record.status = "failed"
             record.error = f"{type(err).__name__}: {err}"
+            # names it registered before failing would otherwise resolve to a failed plugin
+            for key in [k for k, spec in self.registry._specs.items() if spec.plugin == name]:
+                del self.registry._specs[key]
             if self.pm.has_plugin(name):
                 self.pm.unregister(name=name)
             log.warning("accelkit plugin %r (%s) failed to load: %s", name, dist, record.error)
