@@ -61,7 +61,8 @@ def run_ranks(
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 and "address already in use" in proc.stderr.lower():
             # the free port was taken between our probe and torchrun's bind: once more
-            cmd[4] = f"--master-port={free_port()}"
+            port = next(i for i, arg in enumerate(cmd) if arg.startswith("--master-port="))
+            cmd[port] = f"--master-port={free_port()}"
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise AssertionError(
