@@ -507,3 +507,81 @@ def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path):
                 _check_complete(child)
     # the kills landed both before and after the commit point
     assert 0 < completed < 25, completed
+
+
+# ---- canonical names, dtypes, devices ---------------------------------------------------------------------------
+def test_canonical_names_ignore_wrappers(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from accelkit.checkpoint import canonical_fqn
+
+    assert (
+        canonical_fqn("_orig_mod.blocks.0._checkpoint_wrapped_module.up.weight")
+        == "blocks.0.up.weight"
+    )
+    assert canonical_fqn("module.module.w", strip_module_prefix=True) == "w"
+    assert canonical_fqn("module.w") == "module.w"  # a user's own attribute named module
+
+    torch.manual_seed(0)
+    wrapped = ref.Net()
+    wrapped.blocks[0] = checkpoint_wrapper(wrapped.blocks[0])
+    compiled = torch.compile(wrapped, backend="eager")
+    save(None, tmp_path / "c", {"model": compiled})
+    names = {t["fqn"] for t in _manifest(tmp_path / "c")["tensors"] if t["object"] == "model"}
+    assert "blocks.0.up.weight" in names and not any(
+        "_orig_mod" in n or "wrapped" in n for n in names
+    )
+    plain = ref.Net()
+    load(None, tmp_path / "c", {"model": plain}, rng=False)  # strict: every name matches
+    assert torch.equal(
+        plain.blocks[0].up.weight, wrapped.blocks[0]._checkpoint_wrapped_module.up.weight
+    )
+
+
+def test_a_user_attribute_named_module_keeps_its_name(tmp_path):
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+    save(None, tmp_path / "c", {"model": Holder()})
+    names = {t["fqn"] for t in _manifest(tmp_path / "c")["tensors"] if t["object"] == "model"}
+    assert names == {"module.weight", "module.bias"}
+
+
+def test_low_precision_weights_load_into_fp32_by_cast(tmp_path):
+    torch.manual_seed(0)
+    half = ref.Net().to(torch.bfloat16)
+    save(None, tmp_path / "c", {"model": half})
+    entry = next(t for t in _manifest(tmp_path / "c")["tensors"] if t["fqn"] == "norm.weight")
+    assert entry["dtype"] == "bfloat16"
+    full = ref.Net()
+    load(None, tmp_path / "c", {"model": full}, rng=False)
+    for (name, a), b in zip(full.state_dict().items(), half.state_dict().values()):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float()), name
+
+
+@pytest.mark.gpu
+def test_cuda_state_round_trips_through_the_cpu(tmp_path):
+    """Fused AdamW on CUDA: saved from the GPU, loaded on the CPU and back onto the GPU."""
+    torch.manual_seed(0)
+    model = ref.Net().cuda()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True)
+    tokens, targets, _ = ref.Samples()[0]
+    ref.lm_loss(model(tokens[None].cuda()), targets[None].cuda()).backward()
+    opt.step()
+    save(None, tmp_path / "c", {"model": model, "optimizer": opt})
+    cpu_model = ref.Net()
+    cpu_opt = torch.optim.AdamW([p for p in cpu_model.parameters() if p.requires_grad])
+    load(None, tmp_path / "c", {"model": cpu_model, "optimizer": cpu_opt}, rng=False)
+    ref.assert_same_state(
+        ref.gather_full_state(cpu_model, cpu_opt), ref.gather_full_state(model, opt)
+    )
+    gpu_model = ref.Net().cuda()
+    gpu_opt = torch.optim.AdamW([p for p in gpu_model.parameters() if p.requires_grad], fused=True)
+    load(None, tmp_path / "c", {"model": gpu_model, "optimizer": gpu_opt}, rng=False)
+    first = next(p for p in gpu_model.parameters() if p.requires_grad)
+    assert gpu_opt.state[first]["step"].device.type == "cuda"  # fused keeps step on the device
+    ref.assert_same_state(
+        ref.gather_full_state(gpu_model, gpu_opt), ref.gather_full_state(model, opt)
+    )

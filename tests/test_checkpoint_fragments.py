@@ -194,3 +194,61 @@ def test_ranks_that_do_not_share_the_directory_fail_clearly(written):
         assert message is not None
         assert "rank(s) [1] cannot see" in message
         assert "filesystem they all share" in message
+
+
+# ---- DTensor placements other than Shard(0): gathered, then cut again on load ---------------------------
+def _tp_module(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(5, 7)
+
+
+def tp_worker(path: str) -> dict[str, Any]:
+    """Weight sharded on dim 1 (a row of it is split across ranks: not one flat range per rank),
+    bias replicated. Saved, then loaded into a differently seeded module of the same layout."""
+    import accelkit
+    from accelkit.checkpoint import load, save
+
+    accel = accelkit.get("ddp", device="cpu")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (accel.world_size,))
+
+    def shard(module: torch.nn.Module) -> torch.nn.Module:
+        module.weight = torch.nn.Parameter(
+            distribute_tensor(module.weight.detach(), mesh, [Shard(1)])
+        )
+        module.bias = torch.nn.Parameter(
+            distribute_tensor(module.bias.detach(), mesh, [Replicate()])
+        )
+        return module
+
+    source = shard(_tp_module(0))
+    save(accel, path, {"model": source})
+    target = shard(_tp_module(1))
+    load(accel, path, {"model": target}, rng=False)
+    return {
+        "weight": target.weight.full_tensor().tolist(),
+        "bias": target.bias.full_tensor().tolist(),
+        "local_equal": bool(torch.equal(target.weight.to_local(), source.weight.to_local())),
+    }
+
+
+def test_non_row_sharded_dtensors_round_trip(tmp_path):
+    import json
+
+    from accelkit.checkpoint import load
+
+    path = tmp_path / "tp"
+    results = launch_ranks("test_checkpoint_fragments:tp_worker", {"path": str(path)})
+    expected = _tp_module(0)
+    for rank_result in results:
+        assert rank_result["local_equal"]
+        assert torch.equal(torch.tensor(rank_result["weight"]), expected.weight.detach())
+        assert torch.equal(torch.tensor(rank_result["bias"]), expected.bias.detach())
+    manifest = json.loads((path / "accelkit.json").read_text())
+    weight = next(t for t in manifest["tensors"] if t["fqn"] == "weight")
+    assert weight["gathered"] is True  # the manifest says its peak memory was a full tensor
+    plain = _tp_module(1)
+    load(None, path, {"model": plain}, rng=False)
+    assert torch.equal(plain.weight, expected.weight) and torch.equal(plain.bias, expected.bias)
