@@ -554,6 +554,14 @@ class ColossalGeminiBackend(ColossalAIBackend):
         return replace_with_hybrid_adam(optimizer, adamw=kind is torch.optim.AdamW)
 
 
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Gemini keeps the weights in chunks: gather them on every rank (a collective; in the
+        chunks' bf16/fp16)."""
+        if self.model is None:
+            return super().full_state_dict(model)
+        return dict(self.model.state_dict(only_rank_0=False))
+
+
 def replace_with_hybrid_adam(optimizer: torch.optim.Optimizer, *, adamw: bool) -> Any:
     """A HybridAdam with the param groups and hyperparameters of a torch Adam/AdamW."""
     from colossalai.nn.optimizer import HybridAdam

@@ -116,10 +116,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         from colossalai.booster import Booster
-        from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+        from colossalai.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 
         if kind == "booster_ddp":
             plugin = TorchDDPPlugin()
+        elif kind == "booster_gemini":
+            from colossalai.nn.optimizer import HybridAdam
+
+            optimizer = HybridAdam(model.parameters(), lr=LR, adamw_mode=False)
+            plugin = GeminiPlugin(
+                precision=cfg["precision"],
+                max_norm=max_norm or 0.0,
+                enable_gradient_accumulation=steps > 1,
+            )
         else:
             plugin = LowLevelZeroPlugin(
                 stage=cfg["stage"],
@@ -132,7 +141,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     loader = _loader()
     losses: list[float] = []
     norms: list[float] = []
-    low = torch.bfloat16 if cfg.get("precision") == "bf16" else None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("precision", "fp32"))
     for epoch in range(cfg.get("epochs", 1)):
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
@@ -152,7 +161,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             losses.append(_mean(loss))
             if not closes:
                 continue
-            if kind == "booster_zero":
+            if kind in ("booster_zero", "booster_gemini"):
                 optimizer.step()
                 if max_norm is not None:
                     norms.append(float(optimizer.get_grad_norm()))
@@ -162,14 +171,20 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
                 optimizer.step()
             optimizer.zero_grad()
-    inner = model.unwrap() if booster is not None else model.module
-    return {"losses": losses, "norms": norms, "params": _full_params(inner)}
+    if kind == "booster_gemini":
+        params = {
+            k: v.float().cpu().reshape(-1).tolist()
+            for k, v in model.state_dict(only_rank_0=False).items()
+        }
+    else:
+        params = _full_params(model.unwrap() if booster is not None else model.module)
+    return {"losses": losses, "norms": norms, "params": params}
 
 
 def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
     """Every cfg in one process pair (ColossalAI's import is paid once)."""
     device = _init(cfgs[0].get("device", "cpu") if cfgs else "cpu")
-    if device.type == "cpu" and any(c["kind"] == "booster_zero" for c in cfgs):
+    if device.type == "cpu" and any(c["kind"] != "torch_ddp" for c in cfgs):
         _cpu_workaround()
     out = {}
     for cfg in cfgs:

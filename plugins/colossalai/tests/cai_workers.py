@@ -127,10 +127,9 @@ def trains(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 def _independent_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
     """Weights and optimizer state gathered WITHOUT accelkit's checkpoint code: torch state
     dicts, and for LowLevelZero ColossalAI's own gathering ``optimizer.state_dict()``."""
-    inner = accel.unwrap(model)
     wrapper = getattr(accel.backend, "optimizer", None)
-    if wrapper is not None and hasattr(wrapper, "state_dict") and "zero" in accel.name:
-        opt_state = wrapper.state_dict()
+    if wrapper is not None and ("zero" in accel.name or "gemini" in accel.name):
+        opt_state = wrapper.state_dict()  # ColossalAI's own gather
     else:
         opt_state = optimizer.state_dict()
     optim = {}
@@ -138,7 +137,8 @@ def _independent_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 optim[f"{index}.{key}"] = value.detach().float().cpu().reshape(-1).tolist()
-    return {"params": _flat(inner.state_dict()), "optim": optim}
+    params = accel.full_state_dict(model)  # Gemini: its own gather; else the module's tensors
+    return {"params": _flat(params), "optim": optim}
 
 
 def _master_shards(accel: Any) -> list[list[float]]:

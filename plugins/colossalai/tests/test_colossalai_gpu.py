@@ -1,0 +1,166 @@
+"""GPU runs of the ColossalAI backends (marked ``gpu``; skipped without CUDA). One process, one GPU.
+
+- Gemini (bf16-true, 16-true; accelkit swaps the torch Adam for a HybridAdam) and LowLevelZero
+  stage 1/2 (bf16-true, 16-true) against ColossalAI's Booster used directly with the same
+  settings: losses and weights expected equal, as measured on the CPU for the CPU-capable plugins.
+- The portable checkpoint from Gemini (gathered: the fp32 master chunks and the optimizer state,
+  marked ``"gathered": true``) into ``ddp`` and back, and LowLevelZero bf16 into ``ddp``.
+
+The wheels this needs on the GPU image (ColossalAI is not a pip dependency of the plugin):
+colossalai 0.5.0, transformers 4.51.3, peft 0.13.2, tokenizers 0.21.4, huggingface_hub 0.36.2,
+galore_torch 1.0, contexttimer 0.3.3, bitsandbytes 0.50.2. Gemini JIT-builds its CUDA kernels on
+first use (~90 s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("colossalai")
+
+from cai_run import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RUNS = [
+    ("gemini_bf16", "colossalai_gemini", {}, "bf16-true", "booster_gemini", {"precision": "bf16"}),
+    ("gemini_fp16", "colossalai_gemini", {}, "16-true", "booster_gemini", {"precision": "fp16"}),
+    (
+        "zero1_bf16",
+        "colossalai_zero",
+        {"stage": 1},
+        "bf16-true",
+        "booster_zero",
+        {"stage": 1, "precision": "bf16"},
+    ),
+    (
+        "zero2_fp16",
+        "colossalai_zero",
+        {"stage": 2},
+        "16-true",
+        "booster_zero",
+        {"stage": 2, "precision": "fp16"},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def training():
+    reference = run_ranks(
+        "cai_reference:runs",
+        {
+            "cfgs": [
+                dict(name=name, kind=kind, accumulation=2, max_norm=0.5, **extra)
+                for name, _b, _o, _p, kind, extra in RUNS
+            ]
+        },
+        nproc=1,
+        timeout=900,
+    )[0]
+    ours = run_ranks(
+        "cai_workers:trains",
+        {
+            "jobs": [
+                dict(
+                    name=name,
+                    backend=backend,
+                    options=options,
+                    precision=precision,
+                    accumulation=2,
+                    max_norm=0.5,
+                )
+                for name, backend, options, precision, _k, _e in RUNS
+            ]
+        },
+        nproc=1,
+        timeout=900,
+    )[0]
+    return reference, ours
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_matches_raw_booster_on_gpu(training, name):
+    reference, ours = training
+    assert ours[name]["losses"] == reference[name]["losses"]
+    assert ours[name]["params"] == reference[name]["params"]
+    ref_norms = [float(torch.tensor(n, dtype=torch.float32)) for n in reference[name]["norms"]]
+    assert ours[name]["norms"] == ref_norms
+
+
+def _bf16(values: list[float]) -> list[float]:
+    return torch.tensor(values).to(torch.bfloat16).float().tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colossalai-gpu-ckpt")
+    ck = {n: str(root / n) for n in ("gemini", "ddp", "zbf")}
+    common, resume = dict(total=7, save_at=4), dict(total=7, start=4)
+    gemini = dict(backend="colossalai_gemini", precision="bf16-true")
+    out = run_ranks(
+        "cai_workers:ckpt_jobs",
+        {
+            "jobs": [
+                dict(name="gemini", save_to=ck["gemini"], **gemini, **common),
+                dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
+                dict(
+                    name="zbf",
+                    backend="colossalai_zero",
+                    options={"stage": 2},
+                    precision="bf16-true",
+                    save_to=ck["zbf"],
+                    **common,
+                ),
+                dict(name="gemini<-gemini", load_from=ck["gemini"], **gemini, **resume),
+                dict(name="ddp<-gemini", backend="ddp", load_from=ck["gemini"], **resume),
+                dict(name="gemini<-ddp", load_from=ck["ddp"], **gemini, **resume),
+                dict(name="ddp<-zbf", backend="ddp", load_from=ck["zbf"], **resume),
+            ]
+        },
+        nproc=1,
+        timeout=900,
+    )[0]
+    return out, root
+
+
+def test_gemini_checkpoint_is_marked_gathered(checkpoints):
+    _, root = checkpoints
+    manifest = json.loads((Path(root) / "gemini" / "accelkit.json").read_text())
+    params = [t for t in manifest["tensors"] if t["kind"] == "param"]
+    assert params and all(t.get("gathered") for t in params)
+    assert all(t["dtype"] == "float32" for t in params)  # the fp32 master chunks
+
+
+def test_gemini_resumes_itself_exactly(checkpoints):
+    out, _ = checkpoints
+    resumed, original = out["gemini<-gemini"], out["gemini"]
+    assert "error" not in resumed, resumed.get("error")
+    assert resumed["after_load"] == original["at_save"]
+    for step in ("5", "6", "7"):
+        assert resumed["losses"][step] == original["losses"][step]
+
+
+def test_gemini_state_reaches_ddp_and_back(checkpoints):
+    out, _ = checkpoints
+    into_ddp, gemini = out["ddp<-gemini"], out["gemini"]
+    assert "error" not in into_ddp, into_ddp.get("error")
+    assert into_ddp["after_load"]["optim"] == gemini["at_save"]["optim"]
+    for key, values in into_ddp["after_load"]["params"].items():  # fp32 master -> bf16 weights
+        assert _bf16(values) == gemini["at_save"]["params"][key]
+    into_gemini, ddp = out["gemini<-ddp"], out["ddp"]
+    assert into_gemini["after_load"]["optim"] == ddp["at_save"]["optim"]
+    for key, values in ddp["at_save"]["params"].items():
+        assert into_gemini["after_load"]["params"][key] == _bf16(values)
+
+
+def test_zero_bf16_master_reaches_ddp(checkpoints):
+    out, _ = checkpoints
+    into_ddp, zbf = out["ddp<-zbf"], out["zbf"]
+    assert into_ddp["after_load"]["optim"] == zbf["at_save"]["optim"]
+    masters = [v for shard in zbf["masters_at_save"] for v in shard]
+    loaded = [v for values in into_ddp["after_load"]["params"].values() for v in values]
+    assert loaded == masters  # one process: each master shard is the whole parameter
