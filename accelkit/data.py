@@ -98,6 +98,15 @@ class AcceleratedDataLoader:
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
         self.is_last_batch = False
+        # Starting an iterator draws the workers' base seed from the loader's generator, or
+        # from the global RNG when it has none: a resumed run starts its iterator at another
+        # point of the global stream than the run it resumes, and every random number after
+        # (dropout) would differ. A private generator, seeded from (seed, epoch, rank) at each
+        # epoch, leaves the global RNG alone.
+        self._generator: torch.Generator | None = None
+        if sampler is not None and loader.generator is None:
+            self._generator = torch.Generator()
+            loader.generator = self._generator
 
     @property
     def dataset(self) -> Any:
@@ -123,6 +132,9 @@ class AcceleratedDataLoader:
                 self.epoch, self.consumed = self.epoch + 1, 0
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.consumed
+        if self._generator is not None and self.sampler is not None:
+            s = self.sampler
+            self._generator.manual_seed((s.seed * 1_000_003 + self.epoch * 1009 + s.rank) % 2**63)
         done = object()
         iterator = iter(self.loader)
         try:
