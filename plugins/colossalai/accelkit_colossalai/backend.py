@@ -553,7 +553,6 @@ class ColossalGeminiBackend(ColossalAIBackend):
             )
         return replace_with_hybrid_adam(optimizer, adamw=kind is torch.optim.AdamW)
 
-
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Gemini keeps the weights in chunks: gather them on every rank (a collective; in the
         chunks' bf16/fp16)."""

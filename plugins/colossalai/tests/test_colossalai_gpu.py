@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("colossalai")
 
-from cai_run import run_ranks  # noqa: E402
+from cai_run import run_ranks
 
 pytestmark = pytest.mark.gpu
 
