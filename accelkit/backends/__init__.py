@@ -43,3 +43,10 @@ def accelkit_env_report() -> dict[str, Any]:
     import torch
 
     return {"torch": torch.__version__, "cuda (torch build)": torch.version.cuda or "none"}
+
+
+@hookimpl
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    from accelkit.benchmark.memory import estimate_native
+
+    return estimate_native(backend, model_stats, options)

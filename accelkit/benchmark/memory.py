@@ -22,7 +22,8 @@ Two halves:
 - ``params``, ``trainable_params``, ``buffer_bytes``, ``param_numels`` (every parameter's numel);
 - ``largest_block`` / ``root_params``: parameters of the largest repeated block (the children of
   the model's ModuleList/Sequential stacks, FSDP's default units) and of everything outside the
-  blocks; ``blocks``: how many blocks;
+  blocks; ``blocks``: how many blocks; ``matmul_params``: parameters of Linear/Conv modules
+  (those autocast computes with in low precision);
 - ``batch_size``, ``precision``, ``activation_checkpointing``;
 - ``activation_bytes``: the traced peak of activations alone for ``precision``;
 - ``step_peak(kind, grad_fraction=1.0, weight_copy_fraction=1.0)``: the traced peak over forward
@@ -88,8 +89,10 @@ class LiveBytes(TorchDispatchMode):
 
     CATEGORIES = ("act", "wcopy", "grad")
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "meta") -> None:
         super().__init__()
+        #: only tensors on this device type count (a real run also makes meta tensors)
+        self.device_type = device_type
         self.live: dict[int, list[Any]] = {}
         self.totals = dict.fromkeys(self.CATEGORIES, 0)
         self.timeline: list[tuple[int, int, int]] = []
@@ -108,6 +111,8 @@ class LiveBytes(TorchDispatchMode):
         self.timeline.append(tuple(self.totals[c] for c in self.CATEGORIES))  # type: ignore[arg-type]
 
     def _add(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != self.device_type:
+            return False
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self.live:
@@ -223,6 +228,20 @@ class MetaTraceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+#: modules whose parameters autocast computes with in low precision (DeepSpeed's
+#: ``lower_precision_safe_modules`` default is Linear and Conv too)
+MATMUL_MODULES = (
+    torch.nn.Linear,
+    torch.nn.Bilinear,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+)
+
+
 # ---- model statistics -----------------------------------------------------------------------------
 def outermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks (FSDP's default units), outermost only among nested ones."""
@@ -319,6 +338,12 @@ def model_stats(
         "param_numels": [p.numel() for p in params],
         "largest_block": max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         "root_params": sum(p.numel() for p in params if id(p) not in in_blocks),
+        "matmul_params": sum(
+            p.numel()
+            for m in model.modules()
+            if isinstance(m, MATMUL_MODULES)
+            for p in m.parameters(recurse=False)
+        ),
         "blocks": len(blocks),
         "batch_size": batch_size,
         "precision": precision,

@@ -52,6 +52,8 @@ class BenchConfig:
     interleave: bool = True
     baseline: bool = True
     timeout_s: float = 900.0
+    #: CPU threads per process (default: the cores divided among a row's processes)
+    threads: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -196,14 +198,16 @@ def launch(row: Row, config: BenchConfig, device: str, workdir: Path, index: int
         "control": str(row.control),
         "options": config.options if row.backend else {},
         "parent_pid": os.getpid(),
+        "threads": config.threads,
     }
     spec_path = row.control / "job.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     module = ["-m", "accelkit.benchmark.worker", str(spec_path)]
     if row.nproc > 1:
-        if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, _cpu_count() // row.nproc))
+        if "OMP_NUM_THREADS" not in os.environ:
+            threads = config.threads or max(1, _cpu_count() // row.nproc)
+            env["OMP_NUM_THREADS"] = str(threads)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         command += ["--nproc-per-node", str(row.nproc), *module]
     else:
@@ -264,8 +268,7 @@ def finish(row: Row, timeout_s: float = 60.0) -> None:
         row.log = None
 
 
-def start(row: Row, config: BenchConfig, device: str, workdir: Path, index: int) -> None:
-    launch(row, config, device, workdir, index)
+def await_ready(row: Row, config: BenchConfig) -> None:
     ready = _wait(row, "ready.json", config.timeout_s)
     if ready is None:
         finish(row)
@@ -316,7 +319,6 @@ def run(
     if progress is not None:
         progress.reset(total=len(runnable) * (1 + config.repeats))
     try:
-        peak = measure_peak(config, device, workdir)
 
         def tick(text: str) -> None:
             if progress is not None:
@@ -324,11 +326,15 @@ def run(
                 progress.update(1)
 
         if config.interleave:
+            # setups overlap (imports, compilation); nothing is timed until every row is ready
+            if progress is not None:
+                progress.set_description_str(f"setting up {len(runnable)} rows")
             for i, row in enumerate(runnable):
-                if progress is not None:
-                    progress.set_description_str(f"setting up {row.label}")
-                start(row, config, device, workdir, i)
+                launch(row, config, device, workdir, i)
+            for row in runnable:
+                await_ready(row, config)
                 tick(f"{row.label} ready")
+            peak = measure_peak(config, device, workdir)  # on an idle machine: rows wait
             for round_index in range(config.repeats):
                 live = [r for r in runnable if r.status == "ready"]
                 if not live:
@@ -340,8 +346,12 @@ def run(
                     run_repeat(row, round_index, config.timeout_s)
                     tick(f"round {round_index + 1}: {row.label}")
         else:
+            peak = measure_peak(config, device, workdir)
             for i, row in enumerate(runnable):
-                start(row, config, device, workdir, i)
+                if progress is not None:
+                    progress.set_description_str(f"setting up {row.label}")
+                launch(row, config, device, workdir, i)
+                await_ready(row, config)
                 tick(f"{row.label} ready")
                 for round_index in range(config.repeats):
                     if row.status != "ready":

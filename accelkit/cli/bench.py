@@ -72,6 +72,12 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="run each backend's repeats back to back, one backend in memory at a time",
     )
     parser.add_argument("--no-baseline", action="store_true", help="no raw-PyTorch row")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads per process (default: the cores divided among a row's processes)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per setup or repeat")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -108,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         interleave=not args.no_interleave,
         baseline=not args.no_baseline,
         timeout_s=args.timeout,
+        threads=args.threads,
     )
     if min(config.steps, config.repeats, config.batch, config.nproc) < 1 or config.warmup < 0:
         print("accelkit bench: --steps, --repeats, --batch, --nproc must be >= 1", file=sys.stderr)
@@ -158,13 +165,20 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.0f} MiB"
 
 
+def _flops(value: float) -> str:
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value / 1e6:.1f} MFLOP/s"
+
+
 def render(result: dict[str, Any]) -> str:
     """The terminal table (GitHub markdown, so it pastes into docs as it is)."""
     cfg, hw, peak = result["config"], result["hardware"], result["peak"]
     model = result["model"]
     rate_name = "tokens/s" if model["seq_len"] else "samples/s"
     peak_text = (
-        f"{peak['tflops_per_device']:.1f} TFLOP/s {peak['devices']} ({peak['how']})"
+        f"{_flops(peak['tflops_per_device'] * 1e12)} {peak['devices']} ({peak['how']})"
         if peak.get("tflops_per_device")
         else f"unknown ({peak.get('how')})"
     )

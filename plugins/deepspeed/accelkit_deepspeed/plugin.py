@@ -45,3 +45,12 @@ def accelkit_env_report() -> dict[str, Any]:
             return None
 
     return {"deepspeed": version("deepspeed"), "accelkit-deepspeed": version("accelkit-deepspeed")}
+
+
+@accelkit.hookimpl
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    if backend not in SHORTCUTS:
+        return None
+    from accelkit_deepspeed.memory import estimate
+
+    return estimate(backend, model_stats, options)

@@ -1,0 +1,169 @@
+"""``accelkit plan``'s logic: ask every registered backend for its memory estimate and pick one.
+
+The model is built on the meta device (no memory, no download) and traced there
+(:func:`accelkit.benchmark.memory.model_stats`); each backend answers the
+``accelkit_estimate_memory`` hook, and may propose variants of itself (offload) that are
+estimated too. A configuration fits when its per-GPU peak is at most ``(1 - headroom)`` of the
+GPU's memory and, for offload, the host memory of all its processes fits the same way. The
+recommendation is the configuration with the lowest stated relative step time among those
+that fit, the smaller peak breaking ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from accelkit.benchmark.memory import GiB, model_stats
+
+
+@dataclass
+class PlanRequest:
+    model: str
+    gpus: int = 1
+    gpu_memory: int = 80 * GiB
+    cpu_memory: int | None = None
+    precision: str = "bf16-mixed"
+    batch: int | None = None
+    seq: int | None = None
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False
+    headroom: float = 0.1
+    batch_factory: str | None = None
+    backends: list[str] | None = None
+
+
+@dataclass
+class Candidate:
+    backend: str
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+    estimate: dict[str, Any] = field(default_factory=dict)
+    fits: bool = False
+    why_not: str = ""
+    note: str = ""  # e.g. "library missing: pip install ..."
+
+
+def _estimate(host: Any, backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:
+    return host.pm.hook.accelkit_estimate_memory(
+        backend=backend, model_stats=stats, options=options
+    )
+
+
+def make_plan(request: PlanRequest) -> dict[str, Any]:
+    """The plan as a dict: model figures, one entry per configuration, the recommendation."""
+    import torch
+
+    from accelkit import registry
+    from accelkit.benchmark.memory import OPTIMIZERS
+    from accelkit.benchmark.workloads import get_workload
+
+    if request.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {request.optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    with torch.device("meta"):
+        workload = get_workload(request.model, request.batch_factory, request.seq)
+    batch = request.batch or workload.default_batch
+    stats = model_stats(workload, batch, request.precision, request.activation_checkpointing)
+    host = registry.host()
+    host.ensure_loaded()
+    answering = {impl.plugin_name for impl in host.pm.hook.accelkit_estimate_memory.get_hookimpls()}
+    base_options = {
+        "world_size": request.gpus,
+        "precision": request.precision,
+        "optimizer": request.optimizer,
+        "device_type": "cuda",
+    }
+    candidates: list[Candidate] = []
+    silent: list[str] = []
+    for spec in host.registry.specs():
+        if spec.alias_of is not None:
+            continue
+        if request.backends is not None and spec.name not in request.backends:
+            continue
+        if spec.plugin not in answering:
+            silent.append(spec.name)
+            continue
+        note = ""
+        missing = spec.missing_libraries()
+        if missing:
+            note = f"needs {', '.join(missing)}: {spec.install}".strip(": ")
+        options = {**base_options, "backend_options": dict(spec.defaults)}
+        estimate = _estimate(host, spec.name, stats, options)
+        if estimate is None:
+            continue
+        candidates.append(Candidate(spec.name, spec.name, dict(spec.defaults), estimate, note=note))
+        for variant in estimate.get("variants", ()):
+            variant_options = {**spec.defaults, **variant["options"]}
+            result = _estimate(
+                host, spec.name, stats, {**base_options, "backend_options": variant_options}
+            )
+            if result is not None:
+                label = f"{spec.name} {variant['label']}"
+                candidates.append(Candidate(spec.name, label, variant_options, result, note=note))
+    budget = request.gpu_memory * (1 - request.headroom)
+    for c in candidates:
+        peak, host_bytes = c.estimate["peak"], c.estimate.get("host", 0)
+        host_total = host_bytes * c.estimate.get("world_size", request.gpus)
+        if peak > budget:
+            c.why_not = f"needs {peak / GiB:.1f} GiB per GPU, {budget / GiB:.1f} GiB usable"
+        elif request.cpu_memory and host_total > request.cpu_memory * (1 - request.headroom):
+            c.why_not = f"needs {host_total / GiB:.1f} GiB of host memory"
+        else:
+            c.fits = True
+    fitting = [c for c in candidates if c.fits]
+    best = min(
+        fitting,
+        key=lambda c: (c.estimate["relative_step_time"], c.estimate["peak"]),
+        default=None,
+    )
+    return {
+        "request": {**request.__dict__, "batch": batch},
+        "model": {
+            "name": workload.name,
+            "params": stats["params"],
+            "trainable_params": stats["trainable_params"],
+            "largest_block": stats["largest_block"],
+            "blocks": stats["blocks"],
+            "activation_bytes": stats["activation_bytes"],
+        },
+        "budget_per_gpu": budget,
+        "candidates": candidates,
+        "recommendation": best,
+        "reason": _reason(best, fitting, candidates, request, budget),
+        "no_estimate": silent,
+    }
+
+
+def _reason(
+    best: Candidate | None,
+    fitting: list[Candidate],
+    candidates: list[Candidate],
+    request: PlanRequest,
+    budget: float,
+) -> str:
+    if best is None:
+        if not candidates:
+            return "no backend gave an estimate"
+        smallest = min(candidates, key=lambda c: c.estimate["peak"])
+        hints = []
+        if not request.activation_checkpointing:
+            hints.append("--activation-checkpointing")
+        hints += ["a smaller --batch", "more GPUs", "an offload configuration"]
+        return (
+            f"nothing fits in {budget / GiB:.1f} GiB per GPU; the smallest is {smallest.label} at "
+            f"{smallest.estimate['peak'] / GiB:.1f} GiB. Try {', '.join(hints)}."
+        )
+    spare = (budget - best.estimate["peak"]) / GiB
+    text = (
+        f"{best.label}: fits with {spare:.1f} GiB to spare per GPU and has the lowest expected "
+        f"step time of the {len(fitting)} configurations that fit "
+        f"({best.estimate.get('speed_note', '')})."
+    )
+    faster = [
+        c
+        for c in candidates
+        if not c.fits and c.estimate["relative_step_time"] < best.estimate["relative_step_time"]
+    ]
+    if faster:
+        text += " Faster ones that do not fit: " + ", ".join(c.label for c in faster) + "."
+    return text
