@@ -73,6 +73,19 @@ def agree(error: BaseException | None, what: str) -> None:
     raise CheckpointError(f"{what} failed: {detail}") from error
 
 
+def _gather_to_rank0(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's fragment records on rank 0 (others get an empty list): O(world) there only."""
+    if not distributed.is_initialized():
+        return [record]
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return [record]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(record, out, dst=0)
+    return out or []
+
+
 class _Collector:
     """Turns the tensors met while encoding JSON state into fragments of this rank's file."""
 
@@ -359,7 +372,7 @@ def save(
     except Exception as err:
         error = err
     agree(error, f"saving {path}")
-    records = distributed.all_gather_object(record)
+    records = _gather_to_rank0(record)
 
     error = None
     if rank == 0:
