@@ -21,6 +21,10 @@ root); every method gets the same.
 
     python bench/checkpoint_io.py                        # 1 GB, 3 repeats, state on CUDA if any
     python bench/checkpoint_io.py --gb 2 --repeats 5 --dir /local/nvme --out ckpt.json
+    python bench/checkpoint_io.py --nproc 8 --gb 8     # FSDP2-sharded over 8 ranks: accelkit vs DCP
+
+With ``--nproc N`` every layer is FSDP2-sharded over N ranks (torchrun), each rank saves and
+loads its shard, times cover the slowest rank, and memory is rank 0's.
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class _Peak:
         self.anon_extra = self.anon_peak - self.anon0
 
 
-def _build(gb: float, device: str):
+def _build(gb: float, device: str, world: int = 1):
+    """The model and its Adam state; with ``world`` > 1 every layer is FSDP2-sharded."""
     import torch
 
     per_layer = WIDTH * WIDTH
@@ -92,24 +97,35 @@ def _build(gb: float, device: str):
         model = torch.nn.Sequential(
             *(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))
         )
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(torch.device(device).type, (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-            p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    model(torch.randn(2, WIDTH, device=device)).square().mean().backward()
     opt.step()
-    for p in model.parameters():
-        p.grad = None
-    nbytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())
+    opt.zero_grad(set_to_none=True)
+    nbytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # global sizes
     return model, opt, nbytes
 
 
 def _fingerprint(model, opt) -> list[float]:
+    """A few values of this rank's parameters and optimizer state."""
     out = []
     for p in model.parameters():
         state = opt.state[p]
-        out += [float(p.view(-1)[7]), float(state["exp_avg"].view(-1)[-3]), float(state["step"])]
+        local = p.to_local() if hasattr(p, "to_local") else p
+        avg = state["exp_avg"]
+        avg = avg.to_local() if hasattr(avg, "to_local") else avg
+        out += [float(local.reshape(-1)[7]), float(avg.reshape(-1)[-3]), float(state["step"])]
     return out
 
 
@@ -124,10 +140,30 @@ def _scramble(model, opt) -> None:
 
 
 def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
+    """Wait for the device and for every rank: a timing covers the slowest rank."""
+    import torch
 
+    if device.startswith("cuda"):
         torch.cuda.synchronize()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _accel() -> Any:
+    """None (one process), or a distributed accelkit backend on the existing process group
+    (the model is sharded by hand: the checkpoint code handles any DTensor)."""
+    import torch
+
+    if not torch.distributed.is_initialized():
+        return None
+    if not _ACCEL:
+        import accelkit
+
+        _ACCEL.append(accelkit.get("ddp", device="cuda" if torch.cuda.is_available() else "cpu"))
+    return _ACCEL[0]
+
+
+_ACCEL: list[Any] = []
 
 
 def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
@@ -136,7 +172,7 @@ def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
     if method.startswith("accelkit"):
         from accelkit.checkpoint import save
 
-        save(None, path, {"model": model, "optimizer": opt}, rng=False, latest=False)
+        save(_accel(), path, {"model": model, "optimizer": opt}, rng=False, latest=False)
     elif method == "torch":
         with open(path, "wb") as f:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
@@ -160,7 +196,7 @@ def _load(method: str, model, opt, path: Path, device: str) -> None:
         from accelkit.checkpoint import load
 
         verify = method != "accelkit-noverify"
-        load(None, path, {"model": model, "optimizer": opt}, rng=False, verify=verify)
+        load(_accel(), path, {"model": model, "optimizer": opt}, rng=False, verify=verify)
     elif method == "torch":
         state = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
@@ -204,10 +240,13 @@ def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -
         result["load_s"] = time.perf_counter() - started
     result.update(load_rss_extra=peak.rss_extra, load_anon_extra=peak.anon_extra)
     result["correct"] = _fingerprint(model, opt) == expected
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
+    _sync(args.device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    _sync(args.device)
     return result
 
 
@@ -218,10 +257,31 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model, opt, nbytes = _build(args.gb, args.device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        rank = int(os.environ["LOCAL_RANK"])
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+            args.device = f"cuda:{rank}"
+        torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    model, opt, nbytes = _build(args.gb, args.device, world)
     expected = _fingerprint(model, opt)
-    return [measure(m, model, opt, nbytes, expected, args) for m in args.worker.split(",")]
+    # imports and process-group plumbing happen once, outside the timings
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.state_dict
+
+    import accelkit.checkpoint  # noqa: F401
+
+    _accel()
+    results = [measure(m, model, opt, nbytes, expected, args) for m in args.worker.split(",")]
+    if world > 1:
+        flags = [None] * world
+        torch.distributed.all_gather_object(flags, [r["correct"] for r in results])
+        for i, r in enumerate(results):
+            r["correct"] = all(f[i] for f in flags)
+        torch.distributed.destroy_process_group()
+    return results
 
 
 # ---- the driver -----------------------------------------------------------------------------------------
@@ -241,7 +301,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=None, help=f"default: {','.join(METHODS)}")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks (torchrun); > 1 shards the state with FSDP2 and compares accelkit with DCP",
+    )
     parser.add_argument("--out", default=None, help="write all runs and the summary as JSON")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -250,10 +316,15 @@ def main() -> int:
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker:
-        print(json.dumps(worker(args)))
+        results = worker(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(results))
         return 0
 
-    methods = [m for m in args.methods.split(",") if m]
+    default = METHODS if args.nproc == 1 else ("accelkit", "dcp")
+    methods = [m for m in (args.methods or ",".join(default)).split(",") if m]
+    if args.nproc > 1 and "torch" in methods:
+        raise SystemExit("torch.save has no sharded form to compare; drop it with --nproc > 1")
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="accelkit-ckpt-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
@@ -263,7 +334,16 @@ def main() -> int:
         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
         workdir = base / f"r{repeat}"
         workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, __file__, "--worker", ",".join(order), "--gb", str(args.gb)]
+        cmd = [sys.executable, __file__]
+        if args.nproc > 1:
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
+            cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", __file__]
+        cmd += ["--worker", ",".join(order), "--gb", str(args.gb)]
         cmd += ["--dir", str(workdir), "--device", args.device]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -292,6 +372,7 @@ def main() -> int:
     print()
     print(
         f"state {size:.2f} GB (params + Adam exp_avg, exp_avg_sq; fp32) on {args.device}; "
+        f"{args.nproc} rank(s){' (FSDP2-sharded)' if args.nproc > 1 else ''}; "
         f"dir {base}; {args.repeats} interleaved repeats; torch {torch.__version__}; "
         f"{os.cpu_count()} CPUs; {platform.node()}"
     )
