@@ -30,8 +30,8 @@ for p in "$@"; do
   case "$p" in
     dstests)
       part dstests
-      timeout 240 python3 -m pytest -q -rsf -x -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
-      tail -5 "$OUTDIR/ds-tests.log" ;;
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
+      sed -n '/GPU summary/,$p' "$OUTDIR/ds-tests.log" | tail -60 ;;
     dsbench)
       part dsbench
       timeout 200 python3 bench/deepspeed_gpt.py --configs z2:bf16-true,z3:bf16-true --repeats 3 --out "$OUTDIR/deepspeed.json" > "$OUTDIR/deepspeed.log" 2>&1

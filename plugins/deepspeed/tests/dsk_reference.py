@@ -196,12 +196,15 @@ def raw_torch(s: dict[str, Any]) -> dict[str, Any]:
     precision = s["precision"]
     device = torch.device(s.get("device", "cpu"))
     torch.manual_seed(s["seed"])
-    if precision == "bf16-true" and s.get("zero_init"):
-        # deepspeed.zero.Init with the bf16 section builds the weights in bf16 directly
+    if s.get("zero_init"):
+        # deepspeed.zero.Init allocates every tensor on the accelerator (so on CUDA the weights
+        # are drawn from the CUDA generator, not the CPU one) and, with the bf16 section, in bf16
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
+        if precision == "bf16-true":
+            torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Net().to(device)
+            with device:
+                model = Net()
         finally:
             torch.set_default_dtype(previous)
     else:
