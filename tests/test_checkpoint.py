@@ -278,6 +278,20 @@ def test_twin_dropped_file(trained, tmp_path):
         _load_all(bad)
 
 
+def test_twin_file_name_outside_the_checkpoint(trained, tmp_path):
+    bad = _copy(trained, tmp_path, "escape")
+    data = _manifest(bad)
+    data["files"]["../escape.safetensors"] = data["files"].pop("rank-00000.safetensors")
+    for t in data["tensors"]:
+        for f in t["fragments"]:
+            f["file"] = "../escape.safetensors"
+    _rewrite_manifest(bad, data, fix_checksum=True)
+    with pytest.raises(
+        CheckpointError, match=r"file name '\.\./escape\.safetensors' is not a plain"
+    ):
+        _load_all(bad)
+
+
 def test_twin_changed_shape(trained, tmp_path):
     bad = _copy(trained, tmp_path, "shape")
     data = _manifest(bad)

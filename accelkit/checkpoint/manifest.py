@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ EXTRA_NAME = "extra.json"
 EXTRA_OBJECT = "__extra__"
 RNG_OBJECT = "__rng__"
 BACKEND_OBJECT = "__backend__"
+
+
+#: what a file named in the manifest may look like: no directories, no "..", no hidden files
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def rank_file_name(rank: int) -> str:
@@ -184,6 +189,12 @@ class Manifest:
         referenced is listed, keys are unique per file."""
         where = self.path / MANIFEST_NAME if self.path else MANIFEST_NAME
         files = self.files
+        for name in files:
+            if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+                raise CheckpointError(
+                    f"{where}: file name {name!r} is not a plain file name in the checkpoint "
+                    "directory; refusing to read outside it"
+                )
         seen_labels: set[str] = set()
         seen_keys: set[tuple[str, str]] = set()
         for entry in self.tensors:
