@@ -104,7 +104,8 @@ class CheckpointReader:
         self._verified: set[tuple[str, str]] = set()
         self._pending: list[tuple[Future, TensorEntry, FragmentRecord]] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._stage: torch.Tensor | None = None
+        self._stages: list[torch.Tensor | None] = [None, None]
+        self._lane: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.check_files()
 
@@ -115,9 +116,10 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        for pool in (self._pool, self._lane):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._pool = self._lane = None
         for f in self._files.values():
             os.close(f.fd)
         self._files.clear()
@@ -371,36 +373,74 @@ class CheckpointReader:
                     self._pending.append((self._workers().submit(_digest, view), entry, frag))
                 return
             lo, hi = (0, frag.numel) if verify else (a, b)
-            hasher = hashlib.sha256() if verify else None
-            step = max(1, CHUNK_BYTES // element)
-            position = lo
-            while position < hi:
-                stop = min(hi, position + step)
-                buffer = self._staging(stop - position, stored, dst.device)
-                _pread_into(rank_file.fd, tensor_bytes(buffer), offset + position * element)
-                if hasher is not None:
-                    hasher.update(tensor_bytes(buffer))
-                s, e = max(position, a), min(stop, b)
-                if s < e:
-                    dst[s - a : e - a].copy_(buffer[s - position : e - position])
-                position = stop
+            digest = self._staged(rank_file.fd, offset, element, stored, lo, hi, a, b, dst, verify)
         except OSError as err:
             raise CheckpointError(f"{path}: {err} (tensor {entry.label})") from err
-        if hasher is not None:
-            digest = hasher.hexdigest()
+        if digest is not None:
             if digest != frag.sha256:
                 raise self._checksum_error(entry, frag, digest)
             self._verified.add((frag.file, frag.key))
 
-    def _staging(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A reusable host buffer of ``numel`` elements (pinned when feeding a GPU)."""
+    def _staged(
+        self,
+        fd: int,
+        offset: int,
+        element: int,
+        stored: torch.dtype,
+        lo: int,
+        hi: int,
+        a: int,
+        b: int,
+        dst: torch.Tensor,
+        verify: bool,
+    ) -> str | None:
+        """Stream elements ``[lo, hi)`` through two alternating host buffers: while one is
+        copied to ``dst`` (asynchronously, for a GPU) and hashed (in order, on one thread),
+        the next chunk is read into the other. Elements ``[a, b)`` land in ``dst``."""
+        hasher = hashlib.sha256() if verify else None
+        on_gpu = dst.device.type == "cuda"
+        step = max(1, CHUNK_BYTES // element)
+        copies: list[Any] = [None, None]
+        hashes: list[Future | None] = [None, None]
+        position, turn = lo, 0
+        while position < hi:
+            stop = min(hi, position + step)
+            if copies[turn] is not None:
+                copies[turn].synchronize()
+            if hashes[turn] is not None:
+                hashes[turn].result()
+            buffer = self._staging(turn, stop - position, stored, pinned=on_gpu)
+            _pread_into(fd, tensor_bytes(buffer), offset + position * element)
+            if hasher is not None:
+                hashes[turn] = self._hash_lane().submit(hasher.update, tensor_bytes(buffer))
+            s, e = max(position, a), min(stop, b)
+            if s < e:
+                dst[s - a : e - a].copy_(buffer[s - position : e - position], non_blocking=on_gpu)
+                if on_gpu:
+                    copies[turn] = torch.cuda.Event()
+                    copies[turn].record()
+            position, turn = stop, 1 - turn
+        for pending in (*copies, *hashes):
+            if isinstance(pending, Future):
+                pending.result()
+            elif pending is not None:
+                pending.synchronize()
+        return hasher.hexdigest() if hasher is not None else None
+
+    def _hash_lane(self) -> ThreadPoolExecutor:
+        """One thread: the chunks of a fragment are hashed in the order they were read."""
+        if self._lane is None:
+            self._lane = ThreadPoolExecutor(max_workers=1)
+        return self._lane
+
+    def _staging(self, turn: int, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        """Host buffer ``turn`` (of two), at least ``numel`` elements (pinned to feed a GPU)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        pin = device.type == "cuda"
-        stage = self._stage
-        if stage is None or stage.numel() < nbytes or (pin and not stage.is_pinned()):
+        stage = self._stages[turn]
+        if stage is None or stage.numel() < nbytes or (pinned and not stage.is_pinned()):
             size = max(nbytes, min(CHUNK_BYTES, 1 << 20))
-            stage = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-            self._stage = stage
+            stage = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            self._stages[turn] = stage
         return stage[:nbytes].view(dtype)
 
     def read(self, entry: TensorEntry, *, dtype: torch.dtype | None = None) -> torch.Tensor:
