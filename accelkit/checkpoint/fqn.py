@@ -55,11 +55,17 @@ def module_tensors(
     state dict (parameters and persistent buffers). Tied tensors appear once; their other names
     are the aliases."""
     params = {id(p) for p in module.parameters()}
+    # by name too: FSDP2 registers the unsharded tensors while a root module stays unsharded
+    # (after a no_grad forward of a frozen model), but its state_dict returns the sharded ones
+    param_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     seen: dict[int, list[str]] = {}
+    named_param: set[int] = set()
     order: list[tuple[str, torch.Tensor]] = []
     for name, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             continue  # extra state of a custom module; not a tensor
+        if name in param_names:
+            named_param.add(id(value))
         fqn = canonical_fqn(name)
         if id(value) in seen:
             seen[id(value)].append(fqn)
@@ -67,4 +73,4 @@ def module_tensors(
         seen[id(value)] = []
         order.append((fqn, value))
     for fqn, value in order:
-        yield fqn, value, id(value) in params, seen[id(value)]
+        yield fqn, value, id(value) in params or id(value) in named_param, seen[id(value)]

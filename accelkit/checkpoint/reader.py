@@ -8,10 +8,11 @@ tensor of the stored dtype, and one bounded staging chunk otherwise (a device te
 or a part of a fragment). No ``mmap``: page-cache pages are not pinned into the process.
 
 Checksums: a fragment is verified (SHA-256 of its bytes) the first time any part of it is
-read. Read whole into its destination, it is hashed there in a background thread while the
-next one is read; :meth:`CheckpointReader.finish` waits for those and raises on a mismatch
-(``load`` calls it before returning). Read in part, the whole fragment streams through the
-hash in chunks, checked at once.
+read. Read in part, the whole fragment streams through the hash in chunks, checked at once.
+Read whole into its destination with ``defer_verify=True`` (what the default loader does), it
+is hashed there in a background thread while the next one is read;
+:meth:`CheckpointReader.finish` waits for those and raises on a mismatch (``load`` calls it
+before returning).
 """
 
 from __future__ import annotations
@@ -320,12 +321,15 @@ class CheckpointReader:
         *,
         out: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
+        defer_verify: bool = False,
     ) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened tensor, as a 1-D tensor.
 
-        Written into ``out`` (1-D, any device and dtype: cast on copy) when given. The checksum
-        of a fragment read whole into place may still be running when this returns: call
-        :meth:`finish` before trusting the data (``load`` does).
+        Written into ``out`` (1-D, any device and dtype: cast on copy) when given. Checksums
+        are verified before this returns, unless ``defer_verify``: then a fragment read whole
+        straight into ``out`` is hashed there in a background thread while the caller reads
+        on, and :meth:`finish` (which ``load`` calls) raises if it failed. Do not modify
+        ``out`` before ``finish`` when deferring.
         """
         numel = entry.numel - start if numel is None else numel
         if start < 0 or numel < 0 or start + numel > entry.numel:
@@ -351,6 +355,8 @@ class CheckpointReader:
                     hi - frag.flat_offset,
                     out[lo - start : hi - start],
                 )
+        if not defer_verify:
+            self.finish()
         return out
 
     def _read_fragment(
@@ -445,9 +451,7 @@ class CheckpointReader:
 
     def read(self, entry: TensorEntry, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor in its global shape, its checksums verified before it returns."""
-        tensor = self.read_flat(entry, dtype=dtype).view(entry.shape)
-        self.finish()
-        return tensor
+        return self.read_flat(entry, dtype=dtype).view(entry.shape)
 
     def read_named(self, obj: str, kind: str, fqn: str) -> torch.Tensor:
         entry = self.entry(obj, kind, fqn)
