@@ -260,12 +260,9 @@ class Accelerator:
     @contextlib.contextmanager
     def _accumulate_without_sync(self, models: tuple[torch.nn.Module, ...]) -> Iterator[None]:
         models = models or tuple(self._models)
-        windows = self._windows_of(models)
-        closes = not windows or any(self._closes_next(w) for w in windows)
         caps = self.capabilities
-        skip = (
-            not closes
-            and caps.no_sync
+        may_skip = (
+            caps.no_sync
             and self.world_size > 1
             and (
                 caps.no_sync_by_default
@@ -273,8 +270,10 @@ class Accelerator:
             )
         )
         with contextlib.ExitStack() as stack:
-            if skip:
-                for model in models:
+            for model in models if may_skip else ():
+                # each model by its own optimizers' windows (a GAN's two close at other times)
+                windows = self._windows_of((model,))
+                if windows and not any(self._closes_next(w) for w in windows):
                     stack.enter_context(self.backend.no_sync(model))
             yield
 

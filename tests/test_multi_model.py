@@ -1,0 +1,326 @@
+"""Several models and optimizers in one loop: a GAN whose two optimizers step independently
+under accumulation, a teacher-student pair with a frozen teacher, a partly frozen (PEFT-style)
+model. References are raw PyTorch loops (raw DDP on 2 gloo ranks) importing nothing of accelkit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import run_ranks
+
+import accelkit
+from accelkit.errors import UnsupportedError
+
+SEED = 7
+ACCUM = 2
+ITERS = 8  # micro-batches
+
+
+def make_gan() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(SEED)
+    gen = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    disc = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.LeakyReLU(0.2), torch.nn.Linear(8, 1)
+    )
+    return gen, disc
+
+
+def gan_data(rank: int, world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(ITERS):
+        real, z = (
+            torch.randn(4 * world, 4, generator=g) + 1.0,
+            torch.randn(4 * world, 3, generator=g),
+        )
+        out.append((real[rank::world], z[rank::world]))
+    return out
+
+
+def gan_losses(gen, disc, real, z):
+    fake = gen(z)
+    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+    loss_d = F.binary_cross_entropy_with_logits(
+        disc(real), ones
+    ) + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)
+    return fake, ones, loss_d
+
+
+# ---- raw reference ---------------------------------------------------------------------------------
+def raw_gan(rank: int, world: int, g_every: int) -> dict:
+    """Accumulation by hand: loss / ACCUM, each optimizer steps after ACCUM of its own backward
+    passes, gradients synced only at a window's last micro-batch (DDP no_sync before)."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gen, disc = make_gan()
+    opt_g = torch.optim.Adam(gen.parameters(), lr=0.01, betas=(0.5, 0.9))
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+    if world > 1:
+        gen, disc = DDP(gen), DDP(disc)
+    seen = {"d": 0, "g": 0}
+    applied = {"d": 0, "g": 0}
+    for i, (real, z) in enumerate(gan_data(rank, world)):
+        train_g = i % g_every == g_every - 1
+        closes_d = (seen["d"] + 1) % ACCUM == 0
+        closes_g = (seen["g"] + 1) % ACCUM == 0
+        sync_d = contextlib.nullcontext() if closes_d or world == 1 else disc.no_sync()
+        sync_g = contextlib.nullcontext() if closes_g or world == 1 else gen.no_sync()
+        with sync_d, sync_g:
+            fake, ones, loss_d = gan_losses(gen, disc, real, z)
+            (loss_d / ACCUM).backward()
+            seen["d"] += 1
+            if closes_d:
+                opt_d.step()
+                opt_d.zero_grad(set_to_none=True)
+                applied["d"] += 1
+            if train_g:
+                disc.requires_grad_(False)
+                loss_g = F.binary_cross_entropy_with_logits(disc(fake), ones)
+                (loss_g / ACCUM).backward()
+                disc.requires_grad_(True)
+                seen["g"] += 1
+                if closes_g:
+                    opt_g.step()
+                    opt_g.zero_grad(set_to_none=True)
+                    applied["g"] += 1
+    unwrap = (lambda m: m.module) if world > 1 else (lambda m: m)
+    return {
+        "gen": {k: v.tolist() for k, v in unwrap(gen).state_dict().items()},
+        "disc": {k: v.tolist() for k, v in unwrap(disc).state_dict().items()},
+        "applied": applied,
+    }
+
+
+# ---- accelkit ----------------------------------------------------------------------------------
+def accel_gan(name: str, rank: int, world: int, g_every: int) -> dict:
+    accel = accelkit.get(name, accumulation_steps=ACCUM, **({"timeout": 60.0} if world > 1 else {}))
+    gen, disc = make_gan()
+    gen, opt_g = accel.setup(gen, torch.optim.Adam(gen.parameters(), lr=0.01, betas=(0.5, 0.9)))
+    disc, opt_d = accel.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9))
+    applied = {"d": 0, "g": 0}
+    for i, (real, z) in enumerate(gan_data(rank, world)):
+        train_g = i % g_every == g_every - 1
+        with accel.accumulate(disc, gen):
+            fake, ones, loss_d = gan_losses(gen, disc, real, z)
+            accel.backward(loss_d, model=disc)
+            applied["d"] += accel.step(opt_d)
+            if train_g:
+                disc.requires_grad_(False)  # G's loss must not add to D's open window
+                accel.backward(F.binary_cross_entropy_with_logits(disc(fake), ones), model=gen)
+                disc.requires_grad_(True)
+                applied["g"] += accel.step(opt_g)
+    return {
+        "gen": {k: v.tolist() for k, v in accel.unwrap(gen).state_dict().items()},
+        "disc": {k: v.tolist() for k, v in accel.unwrap(disc).state_dict().items()},
+        "applied": applied,
+    }
+
+
+@pytest.mark.parametrize("g_every", [1, 2])
+def test_gan_optimizers_step_independently_with_accumulation(g_every):
+    expected = raw_gan(0, 1, g_every)
+    got = accel_gan("cpu", 0, 1, g_every)
+    assert got["applied"] == expected["applied"]
+    assert got["applied"] == {"d": ITERS // ACCUM, "g": ITERS // g_every // ACCUM}
+    assert got["gen"] == expected["gen"]  # exact: same operations in the same order
+    assert got["disc"] == expected["disc"]
+    untrained_gen, _ = make_gan()
+    assert got["gen"] != {k: v.tolist() for k, v in untrained_gen.state_dict().items()}
+
+
+def ddp_gan_worker(g_every: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # the reference's own group; accelkit joins it after
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {"raw": raw_gan(rank, world, g_every), "accel": accel_gan("ddp", rank, world, g_every)}
+
+
+@pytest.mark.slow
+def test_gan_on_ddp_two_ranks_equals_raw_ddp():
+    for rank in run_ranks("test_multi_model:ddp_gan_worker", {"g_every": 2}):
+        assert rank["accel"]["applied"] == rank["raw"]["applied"] == {"d": 4, "g": 2}
+        assert rank["accel"]["gen"] == rank["raw"]["gen"]
+        assert rank["accel"]["disc"] == rank["raw"]["disc"]
+
+
+# ---- frozen parameters ---------------------------------------------------------------------------
+def make_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(SEED)
+    teacher = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    student = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    teacher.requires_grad_(False)
+    return teacher, student
+
+
+def distill(accel, teacher, student, opt, steps: int = 3) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=g)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        loss = F.cross_entropy(student(x), target)
+        accel.backward(loss, model=student)
+        accel.step(opt)
+
+
+def manifest_of(path) -> dict:
+    return json.loads((path / "accelkit.json").read_text())
+
+
+def check_frozen_manifest(manifest: dict) -> dict:
+    """What the checkpoint holds per object and kind."""
+    kinds: dict[str, dict[str, list[str]]] = {}
+    for t in manifest["tensors"]:
+        kinds.setdefault(t["object"], {}).setdefault(t["kind"], []).append(t["fqn"])
+    return kinds
+
+
+def test_frozen_teacher_has_no_optimizer_state_or_master_in_the_checkpoint(tmp_path):
+    accel = accelkit.get("cpu")
+    teacher, student = make_pair()
+    teacher = accel.setup(teacher)
+    student, opt = accel.setup(student, torch.optim.AdamW(student.parameters(), lr=0.01))
+    distill(accel, teacher, student, opt)
+    state = {"teacher": teacher, "student": student, "optimizer": opt}
+    accel.save(tmp_path / "ckpt", state)
+    manifest = manifest_of(tmp_path / "ckpt")
+    kinds = check_frozen_manifest(manifest)
+    assert set(kinds["teacher"]) == {"param"}  # weights only: no master, no optimizer state
+    teacher_entries = [t for t in manifest["tensors"] if t["object"] == "teacher"]
+    assert all(t.get("trainable") is False for t in teacher_entries), teacher_entries[0]
+    optim_fqns = {fqn for kind, fqns in kinds["optimizer"].items() for fqn in fqns}
+    assert optim_fqns == {"0.weight", "0.bias", "2.weight", "2.bias"}  # the student's only
+    assert not any("/" in fqn for fqn in optim_fqns)
+    assert not any(kind == "master" for obj in kinds.values() for kind in obj)
+
+    # and it loads back: the teacher's weights, the student's training state
+    fresh_accel = accelkit.get("cpu")
+    t2, s2 = make_pair()
+    with torch.no_grad():
+        for p in t2.parameters():
+            p.zero_()
+    t2 = fresh_accel.setup(t2)
+    s2, o2 = fresh_accel.setup(s2, torch.optim.AdamW(s2.parameters(), lr=0.01))
+    fresh_accel.load(tmp_path / "ckpt", {"teacher": t2, "student": s2, "optimizer": o2})
+    assert all(torch.equal(a, b) for a, b in zip(t2.parameters(), teacher.parameters()))
+    assert all(not p.requires_grad for p in t2.parameters())
+    assert len(o2.state) == 4
+
+
+def test_partly_frozen_model_with_an_optimizer_over_all_parameters(tmp_path):
+    """PEFT-style: the optimizer holds every parameter, only the head trains; torch skips
+    parameters without gradients, so the frozen base has no state to save."""
+    accel = accelkit.get("cpu")
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    base = model[0].weight.detach().clone()
+    model, opt = accel.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    for _ in range(2):
+        accel.backward(model(torch.randn(4, 6)).square().mean())
+        accel.step()
+    assert torch.equal(model[0].weight, base)
+    accel.save(tmp_path / "ckpt", {"model": model, "optimizer": opt})
+    kinds = check_frozen_manifest(manifest_of(tmp_path / "ckpt"))
+    assert {fqn for k, v in kinds["optimizer"].items() for fqn in v} == {"2.weight", "2.bias"}
+    frozen = {
+        t["fqn"]: t.get("trainable")
+        for t in manifest_of(tmp_path / "ckpt")["tensors"]
+        if t["object"] == "model"
+    }
+    assert frozen == {"0.weight": False, "0.bias": False, "2.weight": None, "2.bias": None}
+
+
+def fsdp_frozen_worker(ckpt: str) -> dict:
+    accel = accelkit.get("fsdp", device="cpu", timeout=60.0)
+    teacher, student = make_pair()
+    teacher = accel.setup(teacher)
+    student, opt = accel.setup(student, torch.optim.AdamW(student.parameters(), lr=0.01))
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(2):
+        x = torch.randn(4, 6, generator=g)
+        with torch.no_grad():
+            target = teacher(x).softmax(-1)
+        accel.backward(F.cross_entropy(student(x), target), model=student)
+        accel.step(opt)
+    accel.save(ckpt, {"teacher": teacher, "student": student, "optimizer": opt})
+    return {"rank": rank}
+
+
+@pytest.mark.slow
+def test_frozen_teacher_on_fsdp_two_ranks_has_no_optimizer_state(tmp_path):
+    run_ranks("test_multi_model:fsdp_frozen_worker", {"ckpt": str(tmp_path / "ckpt")})
+    manifest = manifest_of(tmp_path / "ckpt")
+    kinds = check_frozen_manifest(manifest)
+    assert set(kinds["teacher"]) == {"param"}
+    assert {fqn for v in kinds["optimizer"].values() for fqn in v} == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    }
+    teacher_entries = [t for t in manifest["tensors"] if t["object"] == "teacher"]
+    assert len(teacher_entries) == 4 and all(t.get("trainable") is False for t in teacher_entries)
+    # the sharded teacher loads on one process, equal to a fresh build (it never trained)
+    accel = accelkit.get("cpu")
+    teacher, _ = make_pair()
+    expected = [p.detach().clone() for p in teacher.parameters()]
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.zero_()
+    accel.load(tmp_path / "ckpt", {"teacher": teacher}, strict=False)
+    assert all(torch.equal(a, b) for a, b in zip(teacher.parameters(), expected))
+
+
+# ---- DeepSpeed: one engine per trained model -----------------------------------------------------
+def deepspeed_worker(stage: int) -> dict:
+    accel = accelkit.get("deepspeed", zero_stage=stage, accumulation_steps=ACCUM)
+    gen, disc = make_gan()
+    try:
+        gen, opt_g = accel.setup(gen, torch.optim.Adam(gen.parameters(), lr=0.01))
+        disc, opt_d = accel.setup(disc, torch.optim.SGD(disc.parameters(), lr=0.05))
+    except UnsupportedError as err:
+        return {"unsupported": str(err)}
+    rank, world = accel.rank, accel.world_size
+    applied = {"d": 0, "g": 0}
+    for real, z in gan_data(rank, world):
+        fake, ones, loss_d = gan_losses(gen, disc, real, z)
+        accel.backward(loss_d, model=disc)
+        applied["d"] += accel.step(opt_d)
+        disc.requires_grad_(False)
+        accel.backward(F.binary_cross_entropy_with_logits(disc(fake), ones), model=gen)
+        disc.requires_grad_(True)
+        applied["g"] += accel.step(opt_g)
+    return {
+        "applied": applied,
+        "gen": {k: v.tolist() for k, v in accel.full_state_dict(gen).items()},
+        "disc": {k: v.tolist() for k, v in accel.full_state_dict(disc).items()},
+    }
+
+
+@pytest.mark.slow
+def test_deepspeed_one_engine_per_trained_model():
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelkit_deepspeed")
+    ranks = run_ranks("test_multi_model:deepspeed_worker", {"stage": 1}, timeout=600)
+    if "unsupported" in ranks[0]:
+        pytest.skip(
+            f"the deepspeed plugin does not set up several engines yet: {ranks[0]['unsupported']}"
+        )
+    expected = raw_gan(0, 1, 1)  # one process over the union of both ranks' data is not
+    # the same run; compare the step counts, and the weights moved away from their start
+    for rank in ranks:
+        assert rank["applied"] == expected["applied"]
+    assert ranks[0]["gen"] == ranks[1]["gen"] and ranks[0]["disc"] == ranks[1]["disc"]
+    untrained_gen, untrained_disc = make_gan()
+    assert ranks[0]["gen"] != {k: v.tolist() for k, v in untrained_gen.state_dict().items()}
+    assert ranks[0]["disc"] != {k: v.tolist() for k, v in untrained_disc.state_dict().items()}
