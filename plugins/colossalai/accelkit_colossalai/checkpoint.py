@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from accelkit.checkpoint.codec import decode, encode
-from accelkit.checkpoint.fqn import module_tensors
+from accelkit.checkpoint.fqn import canonical_fqn, module_tensors
 from accelkit.checkpoint.fragments import (
     BUFFER,
     MASTER,
@@ -76,7 +76,7 @@ class Layout:
 
     slots: dict[int, Slot] = field(default_factory=dict)  # id(working) -> slot
     by_master: dict[int, Slot] = field(default_factory=dict)  # id(master) -> slot
-    kind: str = "dense"  # dense | flat | master | gathered
+    kind: str = "dense"  # dense | flat | master | replica | gathered
 
     def add(self, slot: Slot) -> None:
         self.slots[id(slot.working)] = slot
@@ -125,7 +125,31 @@ def layout_of(backend: Any) -> Layout:
         layout.kind = "master"
         for master, working in wrapper.master_to_working_map.items():
             layout.add(Slot(working, master, 0, working.numel(), replicated=True))
+        return layout
+    if getattr(backend.capabilities, "init_context", "") == "lazy":
+        # Shardformer models (colossalai_hybrid): parameters are matched by name, not by the
+        # tensors their state_dict builds; the optimizer steps the working parameters
+        layout.kind = "replica"
+        for group in backend.torch_optimizer(wrapper).param_groups:
+            for param in group["params"]:
+                layout.add(Slot(param, param, 0, param.numel(), replicated=True))
     return layout
+
+
+def module_entries(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool, list[str]]]:
+    """``module_tensors`` with every parameter resolved to the Parameter object itself.
+
+    Shardformer's layers (``colossalai_hybrid``) build their ``state_dict`` entries as new
+    tensors, so the tensor a state dict holds for ``lm_head.weight`` is not the Parameter that
+    ColossalAI's optimizer maps to its master; the name is what links them.
+    """
+    params = {canonical_fqn(n): p for n, p in module.named_parameters(remove_duplicate=False)}
+    for fqn, tensor, is_param, aliases in module_tensors(module):
+        param = params.get(fqn)
+        if param is not None and tuple(param.shape) == tuple(tensor.shape):
+            yield fqn, param, True, aliases
+        else:
+            yield fqn, tensor, is_param, aliases
 
 
 def _owner_names(
@@ -136,7 +160,7 @@ def _owner_names(
     for name, module in objects.modules.items():
         inner = backend.unwrap(module)
         inners[name] = inner
-        for fqn, tensor, is_param, _aliases in module_tensors(inner):
+        for fqn, tensor, is_param, _aliases in module_entries(inner):
             if is_param:
                 owners.setdefault(id(tensor), (name, fqn))
     return owners, inners
@@ -176,7 +200,7 @@ def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | 
     for name, module in objects.modules.items():
         inner = backend.unwrap(module)
         yield ObjectInfo(name, {"type": "module", "class": _qualname(inner)})
-        for fqn, tensor, is_param, aliases in module_tensors(inner):
+        for fqn, tensor, is_param, aliases in module_entries(inner):
             slot = layout.slots.get(id(tensor)) if is_param else None
             meta: dict[str, Any] = {"aliases": aliases}
             if slot is None:
@@ -324,7 +348,7 @@ def _load_module(reader: Any, name: str, module: torch.nn.Module, layout: Layout
     used: set[str] = set()
     missing: list[str] = []
     plan: list[tuple[Any, torch.Tensor, bool]] = []
-    for fqn, tensor, is_param, aliases in module_tensors(module):
+    for fqn, tensor, is_param, aliases in module_entries(module):
         entry = saved.get(fqn) or by_alias.get(fqn)
         for alias in aliases:
             entry = entry or saved.get(alias) or by_alias.get(alias)
@@ -476,7 +500,7 @@ def _gemini_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, str, str | 
 
 def _real_param_names(backend: Any) -> dict[int, str]:
     inner = backend.unwrap(backend.model)
-    return {id(t): fqn for fqn, t, is_param, _ in module_tensors(inner) if is_param}
+    return {id(t): fqn for fqn, t, is_param, _ in module_entries(inner) if is_param}
 
 
 def _gathered_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
@@ -492,7 +516,7 @@ def _gathered_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragmen
     rank0 = backend.rank == 0
     inner = backend.unwrap(model)
     yield ObjectInfo(model_name, {"type": "module", "class": _qualname(inner)})
-    params = {fqn for fqn, _t, is_param, _a in module_tensors(inner) if is_param}
+    params = {fqn for fqn, _t, is_param, _a in module_entries(inner) if is_param}
     for key, value in full.items():
         if not isinstance(value, torch.Tensor):
             continue

@@ -243,3 +243,50 @@ def hybrid_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             "applied": accel.applied_steps,
         }
     return out
+
+
+def hybrid_ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """colossalai_hybrid (tiny Llama) save after 2 steps / load, with the independent dumps."""
+    out = {}
+    for job in jobs:
+        backend = job["backend"]
+        options = {"tp_size": 1, "zero_stage": job["zero_stage"]} if "hybrid" in backend else None
+        accel = accelkit.get(backend, options, precision=job.get("precision"))
+        net = _tiny_llama()
+        model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+        loader = accel.setup_dataloader(
+            torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
+        )
+        state = {"model": model, "optimizer": optimizer, "loader": loader}
+        result: dict[str, Any] = {"losses": []}
+        if job.get("load_from"):
+            accel.load(job["load_from"], state)
+            result["after_load"] = _hybrid_dump(accel, model, optimizer)
+        for step, (ids,) in enumerate(loader, start=1):
+            loss = model(input_ids=ids, labels=ids).loss.float()
+            accel.backward(loss)
+            accel.step()
+            optimizer.zero_grad()
+            result["losses"].append(_mean(loss))
+            if job.get("save_to") and step == 2:
+                result["at_save"] = _hybrid_dump(accel, model, optimizer)
+                accel.save(job["save_to"], state)
+        out[job["name"]] = result
+    return out
+
+
+def _hybrid_dump(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+    wrapper = getattr(accel.backend, "optimizer", None)
+    zero = wrapper is not None and hasattr(wrapper, "_master_param_groups_of_current_rank")
+    opt_state = wrapper.state_dict() if zero else optimizer.state_dict()
+    optim = {
+        f"{i}.{k}": v.detach().float().cpu().reshape(-1).tolist()
+        for i, entry in opt_state["state"].items()
+        for k, v in entry.items()
+        if isinstance(v, torch.Tensor)
+    }
+    params = {
+        k: v.detach().to(torch.bfloat16).float().cpu().reshape(-1).tolist()
+        for k, v in accel.unwrap(model).state_dict().items()
+    }
+    return {"optim": optim, "params_bf16": params}

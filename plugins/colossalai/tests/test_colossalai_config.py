@@ -125,3 +125,32 @@ def test_zero_on_one_process_trains_and_refuses_manual_clipping():
         accel.clip_grad_norm(1.0)
     with pytest.raises(UnsupportedError, match="one model per Booster"):
         accel.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
+def test_hybrid_init_module_is_lazy_and_setup_materializes():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    accel = accelkit.get("colossalai_hybrid", tp_size=1)
+    assert accel.capabilities.init_context == "lazy"
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+    )
+    with accel.init_module():
+        net = LlamaForCausalLM(config)
+    assert type(next(net.parameters())).__name__ == "LazyTensor"
+    model, _opt = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    params = list(accel.unwrap(model).parameters())
+    assert all(type(p) is torch.nn.Parameter and p.numel() for p in params)
+    ids = torch.randint(0, 128, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    accel.backward(loss)
+    assert accel.step()
+    assert torch.isfinite(loss.detach())
