@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from _dist import run_ranks
 
 import accelkit
-from accelkit.errors import UnsupportedError
+from accelkit.errors import CheckpointError, UnsupportedError
 
 SEED = 7
 ACCUM = 2
@@ -324,3 +324,38 @@ def test_deepspeed_one_engine_per_trained_model():
     untrained_gen, untrained_disc = make_gan()
     assert ranks[0]["gen"] != {k: v.tolist() for k, v in untrained_gen.state_dict().items()}
     assert ranks[0]["disc"] != {k: v.tolist() for k, v in untrained_disc.state_dict().items()}
+
+
+def test_exclude_frozen_leaves_the_frozen_base_out_and_loads_back(tmp_path):
+    accel = accelkit.get("cpu")
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model[0].requires_grad_(False)
+    model, opt = accel.setup(model, torch.optim.Adam(model.parameters(), lr=0.01))
+    accel.backward(model(torch.randn(4, 6)).square().mean())
+    accel.step()
+    accel.save(tmp_path / "ckpt", {"model": model, "optimizer": opt}, exclude_frozen=True)
+    manifest = manifest_of(tmp_path / "ckpt")
+    assert manifest["excluded_frozen"] is True
+    assert {t["fqn"] for t in manifest["tensors"] if t["object"] == "model"} == {
+        "2.weight",
+        "2.bias",
+    }
+
+    # the base comes from elsewhere (the pretrained weights); the head from the checkpoint
+    torch.manual_seed(SEED)
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    fresh[0].requires_grad_(False)
+    fresh_accel = accelkit.get("cpu")
+    fresh, fresh_opt = fresh_accel.setup(fresh, torch.optim.Adam(fresh.parameters(), lr=0.01))
+    fresh_accel.load(tmp_path / "ckpt", {"model": fresh, "optimizer": fresh_opt})
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+    # negative twin: a parameter the target trains is not in the checkpoint: a clear error
+    torch.manual_seed(SEED)
+    trains_all = torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    )
+    with pytest.raises(CheckpointError, match=r"0\.weight"):
+        fresh_accel.load(tmp_path / "ckpt", {"model": trains_all})

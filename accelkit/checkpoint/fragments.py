@@ -465,11 +465,14 @@ def load_module(reader: CheckpointReader, name: str, module: torch.nn.Module) ->
     used: set[str] = set()
     missing: list[str] = []
     plan: list[tuple[TensorEntry, torch.Tensor]] = []
-    for fqn, tensor, _is_param, aliases in module_tensors(module):
+    frozen_left_out = bool(reader.manifest.data.get("excluded_frozen"))
+    for fqn, tensor, is_param, aliases in module_tensors(module):
         entry = saved.get(fqn) or by_alias.get(fqn)
         for alias in aliases:
             entry = entry or saved.get(alias) or by_alias.get(alias)
         if entry is None:
+            if frozen_left_out and is_param and not tensor.requires_grad:
+                continue  # saved with exclude_frozen=True: the model keeps its own
             missing.append(fqn)
             continue
         used.add(entry.fqn)

@@ -129,7 +129,12 @@ def _fragment_key(frag: Fragment) -> str:
 
 
 def _write_rank(
-    backend: Any, path: Path, state: dict[str, Any], objects: StateObjects, save_rng: bool
+    backend: Any,
+    path: Path,
+    state: dict[str, Any],
+    objects: StateObjects,
+    save_rng: bool,
+    exclude_frozen: bool = False,
 ) -> dict[str, Any]:
     rank = backend.rank
     collector = _Collector()
@@ -139,6 +144,8 @@ def _write_rank(
         if isinstance(item, ObjectInfo):
             infos[item.object] = item.info
         elif isinstance(item, Fragment):
+            if exclude_frozen and item.meta.get("trainable") is False:
+                continue  # frozen weights the user rebuilds from elsewhere (a PEFT base)
             fragments.append(item)
         else:
             raise CheckpointError(
@@ -333,8 +340,12 @@ def save(
     latest: bool = True,
     step: int | None = None,
     rng: bool = True,
+    exclude_frozen: bool = False,
 ) -> Path:
-    """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`."""
+    """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`.
+
+    ``exclude_frozen`` leaves out parameters with ``requires_grad=False`` (the manifest says so,
+    and loading does not count them missing)."""
     started = time.perf_counter()
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -368,7 +379,7 @@ def save(
 
     record, error = None, None
     try:
-        record = _write_rank(backend, path, state, objects, rng)
+        record = _write_rank(backend, path, state, objects, rng, exclude_frozen)
     except Exception as err:
         error = err
     agree(error, f"saving {path}")
@@ -378,6 +389,8 @@ def save(
     if rank == 0:
         try:
             manifest, extras = _build_manifest(backend, accel, records, list(state), step)
+            if exclude_frozen:
+                manifest.data["excluded_frozen"] = True
             finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
         except Exception as err:
             error = err
