@@ -450,16 +450,41 @@ class Accelerator:
         return seed_everything(seed, workers=workers)
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, state: dict[str, Any], **kwargs: Any) -> Any:
-        """Write a portable checkpoint of ``state`` (models, optimizers, schedulers, loaders, extras)."""
+    def save(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        format: str = "portable",
+        **kwargs: Any,
+    ) -> Any:
+        """Write a portable checkpoint of ``state`` (models, optimizers, schedulers, loaders, extras).
+
+        ``format="native"``: the backend library's own format instead, where it has one."""
+        if format == "native":
+            return self.backend.save_native(path, state, **kwargs)
+        if format != "portable":
+            raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
         from accelkit.checkpoint import save
 
         return save(self, path, state, **kwargs)
 
     def load(
-        self, path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True, **kwargs: Any
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Any],
+        *,
+        strict: bool = True,
+        format: str = "portable",
+        **kwargs: Any,
     ) -> dict[str, Any]:
-        """Fill the objects in ``state`` in place from a checkpoint; return what was not consumed."""
+        """Fill the objects in ``state`` in place from a checkpoint; return what was not consumed.
+
+        ``format="native"``: read what ``save(..., format="native")`` wrote."""
+        if format == "native":
+            return self.backend.load_native(path, state, strict=strict, **kwargs)
+        if format != "portable":
+            raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
         from accelkit.checkpoint import load
 
         return load(self, path, state, strict=strict, **kwargs)

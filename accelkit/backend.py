@@ -292,6 +292,18 @@ class Backend:
 
         load_dense_fragments(self, reader, state)
 
+    def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
+        """``accel.save(..., format="native")``: the backend library's own checkpoint format."""
+        raise UnsupportedError(
+            f"{self.name}: no native checkpoint format; use the portable one (the default)"
+        )
+
+    def load_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """``accel.load(..., format="native")``: read what :meth:`save_native` wrote."""
+        raise UnsupportedError(
+            f"{self.name}: no native checkpoint format; use the portable one (the default)"
+        )
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model state dict on every rank (a documented gather, for export)."""
         return {k: v.detach() for k, v in self.unwrap(model).state_dict().items()}

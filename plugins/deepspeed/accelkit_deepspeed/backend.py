@@ -85,7 +85,7 @@ class DeepSpeedBackend(Backend):
         offload=True,
         init_context="device",
         compile=False,
-        portable_checkpoint=False,
+        portable_checkpoint=True,
     )
     options_class = dsconfig.DeepSpeedOptions
     dtype_table = dsconfig.DTYPES
@@ -353,19 +353,40 @@ class DeepSpeedBackend(Backend):
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        """The engine's loss scale (16-true), GradScaler (16-mixed) and step counters."""
+        from accelkit_deepspeed import checkpoint
+
+        return checkpoint.engine_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        from accelkit_deepspeed import checkpoint
+
+        checkpoint.load_engine_state(self, state)
 
     def local_fragments(self, state: dict[str, Any]) -> Any:
-        raise UnsupportedError(
-            f"{self.name}: accelkit's portable checkpoint does not read or write DeepSpeed state "
-            "yet (it comes with the DeepSpeed checkpoint issue)"
-        )
+        """This rank's ranges of the fp32 masters, weights and optimizer state (no gather)."""
+        from accelkit_deepspeed import checkpoint
+
+        return checkpoint.local_fragments(self, state)
 
     def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
-        self.local_fragments(state)
+        """Fill this rank's ranges from any portable checkpoint, then refresh the bf16/fp16
+        weights from the fp32 masters."""
+        from accelkit_deepspeed import checkpoint
+
+        checkpoint.load_fragments(self, reader, state)
+
+    def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
+        """``accel.save(path, state, format="native")``: DeepSpeed's own ``save_checkpoint``."""
+        from accelkit_deepspeed import native
+
+        return native.save(self, path, state, **kwargs)
+
+    def load_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """``accel.load(path, state, format="native")``: DeepSpeed's own ``load_checkpoint``."""
+        from accelkit_deepspeed import native
+
+        return native.load(self, path, state, **kwargs)
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model on every rank: ZeRO-3 gathers each parameter (a collective)."""

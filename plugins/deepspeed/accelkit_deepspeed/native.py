@@ -1,0 +1,122 @@
+"""DeepSpeed's own checkpoint format, when asked: ``accel.save(path, state, format="native")``.
+
+The engine (model, fp32 masters, optimizer state) goes through ``engine.save_checkpoint`` /
+``engine.load_checkpoint``; the rest of ``state`` (schedulers, the dataloader, other stateful
+objects, plain values) rides in DeepSpeed's ``client_state``. It is pickled, as DeepSpeed's
+files are, so loading it needs ``trust_pickle=True``. ``accelkit convert --trust-pickle``
+turns such a directory into a portable checkpoint (:mod:`accelkit_deepspeed.importer`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from accelkit.checkpoint.codec import drop_callables
+from accelkit.checkpoint.fqn import user_module
+from accelkit.checkpoint.fragments import classify_state
+from accelkit.errors import CheckpointError, UnsupportedError
+
+CLIENT_KEY = "accelkit"
+
+
+def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, list[str], list[str]]:
+    engine = backend.engine
+    if engine is None:
+        raise UnsupportedError(f"{backend.name}: call accel.setup() before a native save or load")
+    objects = classify_state(state)
+    modules = [n for n, m in objects.modules.items() if user_module(m, backend) is engine.module]
+    optimizer = getattr(engine.optimizer, "optimizer", None)
+    optimizers = [
+        n for n, o in objects.optimizers.items() if o is engine.optimizer or o is optimizer
+    ]
+    strangers = [n for n in (*objects.modules, *objects.optimizers) if n not in (*modules, *optimizers)]
+    if strangers or len(modules) != 1:
+        raise UnsupportedError(
+            f"{backend.name}: a native DeepSpeed checkpoint holds the engine's model and "
+            f"optimizer only (state has {strangers or 'no model'} besides); save the others "
+            "with the portable format (the default)"
+        )
+    return objects, modules, optimizers
+
+
+def save(
+    backend: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
+    objects, _, _ = _engine_parts(backend, state)
+    client: dict[str, Any] = {
+        "schedulers": {n: drop_callables(s.state_dict(), n) for n, s in objects.schedulers.items()},
+        "statefuls": {n: s.state_dict() for n, s in objects.statefuls.items()},
+        "extras": dict(objects.extras),
+        "backend": backend.state_dict(),
+    }
+    backend.engine.save_checkpoint(
+        str(path),
+        tag=tag,
+        client_state={CLIENT_KEY: client},
+        exclude_frozen_parameters=exclude_frozen_parameters,
+    )
+    return Path(path)
+
+
+def load(
+    backend: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    trust_pickle: bool = False,
+    tag: str | None = None,
+) -> dict[str, Any]:
+    if not trust_pickle:
+        raise CheckpointError(
+            f"{path}: a native DeepSpeed checkpoint is pickled; loading it runs whatever code it "
+            "carries. Pass trust_pickle=True only for a checkpoint you trust, or convert it "
+            "once with `accelkit convert --trust-pickle` and load the portable copy."
+        )
+    objects, _, optimizers = _engine_parts(backend, state)
+    load_path, client = backend.engine.load_checkpoint(
+        str(path),
+        tag=tag,
+        load_module_strict=strict,
+        load_optimizer_states=bool(optimizers),
+        load_lr_scheduler_states=False,
+    )
+    if load_path is None:
+        raise CheckpointError(f"{path}: DeepSpeed found no checkpoint to load there")
+    saved = (client or {}).get(CLIENT_KEY, {})
+    for group in ("schedulers", "statefuls"):
+        mine = getattr(objects, group)
+        for name, value in saved.get(group, {}).items():
+            if name in mine:
+                mine[name].load_state_dict(value)
+            elif strict and name not in state:
+                continue
+    missing = [
+        n
+        for n in (*objects.schedulers, *objects.statefuls, *objects.extras)
+        if n not in saved.get("schedulers", {})
+        and n not in saved.get("statefuls", {})
+        and n not in saved.get("extras", {})
+    ]
+    if missing and strict:
+        raise CheckpointError(
+            f"{path}: {missing} are not in this native checkpoint (pass strict=False to load "
+            "what is there)"
+        )
+    for name in objects.extras:
+        if name in saved.get("extras", {}):
+            state[name] = saved["extras"][name]
+    backend.load_state_dict(saved.get("backend", {}))
+    unconsumed: dict[str, Any] = {}
+    for group in ("schedulers", "statefuls", "extras"):
+        for name, value in saved.get(group, {}).items():
+            if name not in state:
+                unconsumed[name] = value
+    return unconsumed

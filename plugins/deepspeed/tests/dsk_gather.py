@@ -1,0 +1,88 @@
+"""The independent gathers the checkpoint tests compare bit for bit. Imports nothing from accelkit.
+
+* :func:`deepspeed_state`: DeepSpeed's own full views -- ``safe_get_full_fp32_param`` and
+  ``safe_get_full_optimizer_state`` (one all-reduce per parameter), the low-precision weights
+  under ``GatheredParameters`` (ZeRO-3), and the base optimizer's ``step`` values;
+* :func:`torch_state`: a plain module's and torch optimizer's own tensors (``full_tensor()`` for
+  FSDP2's DTensors).
+
+Both return ``{"weights", "lp", "exp_avg", "exp_avg_sq": {name: [floats]}, "steps": [...]}``:
+``weights`` are the fp32 master weights (the parameters where there is no master), ``steps``
+the distinct step values held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _flat(tensor: torch.Tensor) -> list[float]:
+    return tensor.detach().float().reshape(-1).cpu().tolist()
+
+
+def deepspeed_state(engine: Any) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    params = list(engine.module.named_parameters())
+    zero3 = hasattr(params[0][1], "ds_id")
+    gather = (
+        deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
+        if zero3
+        else contextlib.nullcontext()
+    )
+    out: dict[str, Any] = {"weights": {}, "lp": {}, **{k: {} for k in KEYS}}
+    with gather:
+        out["lp"] = {n: _flat(p) for n, p in params}
+    wrapper = engine.optimizer
+    base = getattr(wrapper, "optimizer", wrapper)
+    for name, p in params:
+        if not p.requires_grad:
+            out["weights"][name] = out["lp"][name]
+            continue
+        master = safe_get_full_fp32_param(p)
+        if master is None:  # ZeRO-0: the parameter and the torch optimizer hold it all
+            out["weights"][name] = _flat(p)
+            for key in KEYS:
+                if key in base.state.get(p, {}):
+                    out[key][name] = _flat(base.state[p][key])
+            continue
+        out["weights"][name] = _flat(master)
+        for key in KEYS:
+            try:
+                value = safe_get_full_optimizer_state(p, key)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                value = None  # no optimizer state yet (before the first step)
+            if value is not None:
+                out[key][name] = _flat(value)
+    out["steps"] = sorted(
+        {float(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
+    )
+    return out
+
+
+def torch_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    module = model
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+
+    def full(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    out: dict[str, Any] = {"weights": {}, "lp": {}, **{k: {} for k in KEYS}}
+    steps = set()
+    for name, p in module.named_parameters():
+        out["weights"][name] = out["lp"][name] = _flat(full(p))
+        state = optimizer.state.get(p, {})
+        for key in KEYS:
+            if key in state:
+                out[key][name] = _flat(full(state[key]))
+        if "step" in state:
+            steps.add(float(state["step"]))
+    out["steps"] = sorted(steps)
+    return out
