@@ -46,10 +46,13 @@ def build(accel):
     return model, opt, sched, loader
 
 
-def train_worker(ckpt: str, steps: int, stop_rank: int = -1, stop_at: int = -1) -> dict:
+def train_worker(
+    ckpt: str, steps: int, stop_rank: int = -1, stop_at: int = -1, backend: str = "ddp"
+) -> dict:
     """The user's loop. Rank ``stop_rank`` waits inside step ``stop_at`` (after backward, before
     the optimizer step) until the test has signalled it, so the signal lands mid-step."""
-    accel = accelkit.get("ddp", seed=SEED, timeout=60.0)
+    options = {"device": "cpu"} if backend == "fsdp" else {}
+    accel = accelkit.get(backend, seed=SEED, timeout=60.0, **options)
     model, opt, sched, loader = build(accel)
     state = {"model": model, "optimizer": opt, "scheduler": sched, "loader": loader, "step": 0}
     resumed = accel.auto_resume(ckpt, state)
@@ -93,14 +96,24 @@ def _as_int_keys(result: dict) -> dict:
     return {k: {int(s): v for s, v in result[k].items()} for k in ("losses", "samples")}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("preempt")
-    whole = run_ranks("test_preemption:train_worker", {"ckpt": str(root / "whole"), "steps": STEPS})
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def runs(request, tmp_path_factory) -> dict:
+    backend = request.param
+    root = tmp_path_factory.mktemp(f"preempt-{backend}")
+    whole = run_ranks(
+        "test_preemption:train_worker",
+        {"ckpt": str(root / "whole"), "steps": STEPS, "backend": backend},
+    )
 
     ckpt = root / "interrupted"
     ckpt.mkdir()
-    kwargs = {"ckpt": str(ckpt), "steps": STEPS, "stop_rank": 1, "stop_at": STOP_AT}
+    kwargs = {
+        "ckpt": str(ckpt),
+        "steps": STEPS,
+        "stop_rank": 1,
+        "stop_at": STOP_AT,
+        "backend": backend,
+    }
     procs = spawn_ranks("test_preemption:train_worker", kwargs, ckpt)
     try:
         ready = ckpt / "ready-1"
@@ -120,7 +133,9 @@ def runs(tmp_path_factory) -> dict:
                 p.kill()
     codes = [p.returncode for p in procs]
     interrupted = [json.loads((ckpt / f"rank-{r}.json").read_text()) for r in range(2)]
-    resumed = run_ranks("test_preemption:train_worker", {"ckpt": str(ckpt), "steps": STEPS})
+    resumed = run_ranks(
+        "test_preemption:train_worker", {"ckpt": str(ckpt), "steps": STEPS, "backend": backend}
+    )
     return {
         "whole": whole,
         "interrupted": interrupted,
