@@ -151,6 +151,17 @@ def test_deepspeed_zero2_terms_and_bucket(linear_stats):
     assert z3["params"] == P and z3["optimizer"] == 2 * P
 
 
+def test_fairscale_oss_and_sdp_terms(linear_stats):
+    pytest.importorskip("accelkit_fairscale")
+    stats = linear_stats["32-true"]
+    # OSS: whole params and DDP gradient buckets, AdamW state sharded by parameter ownership
+    e = estimate("fairscale_oss", stats, world_size=4)
+    assert (e["params"], e["grads"], e["optimizer"]) == (4 * P, 4 * P, 2 * P)
+    # SDP: each gradient kept on its owner only
+    e = estimate("fairscale_sdp", stats, world_size=4)
+    assert (e["params"], e["grads"], e["optimizer"]) == (4 * P, P, 2 * P)
+
+
 # ---- estimates against allocated bytes -------------------------------------------------------------
 def test_state_estimate_matches_allocated_bytes():
     """One raw-PyTorch AdamW step on the CPU: params, grads and optimizer state as allocated."""

@@ -44,3 +44,10 @@ def accelkit_env_report() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[dist_name] = None
     return versions
+
+
+@accelkit.hookimpl
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    from accelkit_fairscale.memory import estimate
+
+    return estimate(backend, model_stats, options)
