@@ -125,19 +125,33 @@ def trains(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- checkpoints --------------------------------------------------------------------------
 def _independent_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
-    """Weights and optimizer state gathered WITHOUT accelkit's checkpoint code: torch state
-    dicts, and for LowLevelZero ColossalAI's own gathering ``optimizer.state_dict()``."""
-    wrapper = getattr(accel.backend, "optimizer", None)
-    if wrapper is not None and ("zero" in accel.name or "gemini" in accel.name):
-        opt_state = wrapper.state_dict()  # ColossalAI's own gather
+    """Weights and optimizer state gathered WITHOUT accelkit's checkpoint code, keyed by
+    parameter name: torch state dicts; torch's full state dicts for fsdp (FSDP2); ColossalAI's
+    own gathering ``optimizer.state_dict()`` for colossalai_zero and colossalai_gemini."""
+    if accel.name == "fsdp":
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        params = get_model_state_dict(model, options=full)
+        by_name = get_optimizer_state_dict(model, optimizer.optimizer, options=full)["state"]
     else:
-        opt_state = optimizer.state_dict()
+        wrapper = getattr(accel.backend, "optimizer", None)
+        if wrapper is not None and ("zero" in accel.name or "gemini" in accel.name):
+            opt_state = wrapper.state_dict()  # ColossalAI's own gather
+        else:
+            opt_state = optimizer.state_dict()
+        names = [n for n, p in accel.unwrap(model).named_parameters() if p.requires_grad]
+        by_name = {names[int(i)]: entry for i, entry in opt_state["state"].items()}
+        params = accel.full_state_dict(model)  # Gemini: its own gather; else the module's
     optim = {}
-    for index, entry in opt_state["state"].items():
+    for pname, entry in by_name.items():
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                optim[f"{index}.{key}"] = value.detach().float().cpu().reshape(-1).tolist()
-    params = accel.full_state_dict(model)  # Gemini: its own gather; else the module's tensors
+                optim[f"{pname}.{key}"] = value.detach().float().cpu().reshape(-1).tolist()
     return {"params": _flat(params), "optim": optim}
 
 

@@ -30,7 +30,7 @@ TOTAL, SAVE_AT = 7, 4
 #: Loss-curve tolerance after a cross-backend resume. Measured floor: the uninterrupted
 #: colossalai_zero and ddp runs of this workload differ by up to 8.2e-8 relative per step
 #: (ZeRO sums the clipping norm in float64, torch's clip_grad_norm_ in float32). Resumed runs
-#: measured: 0 (ddp<-zero, cddp<-zero, zero1<-zero), 8.2e-8 (zero<-ddp), 8.6e-8 (cpu x1<-zero x2,
+#: measured: 0 (ddp<-zero, cddp<-zero, fsdp<-zero, zero<-fsdp, zero1<-zero), 8.2e-8 (zero<-ddp), 8.6e-8 (cpu x1<-zero x2,
 #: zero x1<-zero x2, zero x2<-zero x1). Bound: about ten times the floor.
 MEASURED_FLOOR = 8.2e-8
 LOSS_RTOL = 8.7e-7
@@ -54,7 +54,7 @@ def flip_byte_of(directory: Path, file: str, kind: str) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("colossalai-ckpt")
-    ck = {name: str(root / name) for name in ("zero", "zbf", "ddp", "zero_x1")}
+    ck = {name: str(root / name) for name in ("zero", "zbf", "ddp", "zero_x1", "fsdp")}
     common = dict(total=TOTAL, save_at=SAVE_AT)
     resume = dict(total=TOTAL, start=SAVE_AT)
     bf16 = dict(backend="colossalai_zero", options={"stage": 1}, precision="bf16-true")
@@ -71,6 +71,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                 ),
                 dict(name="zbf", save_to=ck["zbf"], **bf16, **common),
                 dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
+                dict(name="fsdp", backend="fsdp", save_to=ck["fsdp"], **common),
                 dict(
                     name="zero<-zero",
                     backend="colossalai_zero",
@@ -88,6 +89,14 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                     **resume,
                 ),
                 dict(name="cddp<-zero", backend="colossalai_ddp", load_from=ck["zero"], **resume),
+                dict(name="fsdp<-zero", backend="fsdp", load_from=ck["zero"], **resume),
+                dict(
+                    name="zero<-fsdp",
+                    backend="colossalai_zero",
+                    options=ZERO,
+                    load_from=ck["fsdp"],
+                    **resume,
+                ),
                 dict(
                     name="zero1<-zero",
                     backend="colossalai_zero",
@@ -204,6 +213,8 @@ def test_same_backend_same_world_resumes_bit_exactly(runs, name, source):
         ("ddp<-zero", "zero"),
         ("zero<-ddp", "ddp"),
         ("cddp<-zero", "zero"),
+        ("fsdp<-zero", "zero"),
+        ("zero<-fsdp", "fsdp"),
         ("zero1<-zero", "zero"),
         ("cpu<-zero", "zero"),
         ("zero_x1<-zero", "zero"),
@@ -224,6 +235,8 @@ def test_any_backend_any_world_receives_state_bit_for_bit(runs, name, source):
         ("ddp<-zero", "zero"),
         ("zero<-ddp", "ddp"),
         ("cddp<-zero", "zero"),
+        ("fsdp<-zero", "zero"),
+        ("zero<-fsdp", "fsdp"),
         ("zero1<-zero", "zero"),
         ("cpu<-zero", "zero"),
         ("zero_x1<-zero", "zero"),
