@@ -285,3 +285,25 @@ def test_fsdp_ema_checkpoint_loads_at_world_size_one(fsdp_ranks):
     for name, values in ranks[0]["whole"].items():
         assert torch.equal(got[name], torch.tensor(values)), name
     assert int(ema.num_updates) == 5
+
+
+@pytest.mark.gpu
+def test_ema_on_cuda_fsdp_one_rank_matches_a_raw_reference_of_the_gathered_weights():
+    """On the GPU machine: fsdp (world 1, DTensor shards on CUDA) under bf16-mixed; the average
+    is kept in fp32 (the sharded weights are fp32 there), compared bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    accel = accelkit.get("fsdp", device="cuda", precision="bf16-mixed")
+    model = make_model()
+    model, _ = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    ema = EMA(model, DECAY, accelerator=accel)
+    reference = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    for x, y in batches(4):
+        accel.backward(torch.nn.functional.mse_loss(model(x.cuda()), y.cuda()))
+        accel.step()
+        ema.update()
+        for n, p in model.named_parameters():
+            reference[n].lerp_(p.detach().full_tensor(), 1 - DECAY)
+    for name, value in ema.named_parameters():
+        assert isinstance(value, DTensor) and value.device.type == "cuda"
+        assert torch.equal(value.full_tensor(), reference[name]), name

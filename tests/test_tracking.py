@@ -207,3 +207,13 @@ def test_flops_helpers():
     # forward + backward: the weight gradient costs a second matmul (x needs no gradient)
     assert measure_flops(lambda: model(x).sum().backward()) == 2 * (2 * 4 * 16 * 8)
     assert peak_flops("cpu") is None
+
+
+@pytest.mark.gpu
+def test_peak_flops_knows_the_gpu_of_the_lab():
+    name = torch.cuda.get_device_name()
+    value = peak_flops("cuda", torch.bfloat16)
+    if any(known in name for known in ("H100", "H200", "A100")):
+        assert value is not None and value > 1e14, (name, value)
+    else:
+        pytest.skip(f"{name} is not in the table")
