@@ -46,6 +46,13 @@ def accelkit_register_backends(registry: Any) -> None:
 
 
 @accelkit.hookimpl
+def accelkit_checkpoint_importers() -> dict[str, Any]:
+    from accelkit_colossalai.importer import ColossalAIImporter  # no colossalai import
+
+    return {"colossalai": ColossalAIImporter()}
+
+
+@accelkit.hookimpl
 def accelkit_env_report() -> dict[str, Any]:
     versions: dict[str, Any] = {}
     for dist_name in ("colossalai", "accelkit-colossalai", "transformers", "peft"):

@@ -263,3 +263,38 @@ def hybrid_runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
         out[cfg["name"]] = {"losses": losses, "dp": [dp_rank, plugin.dp_group.size()]}
     dist.destroy_process_group()
     return out
+
+
+def booster_sharded_save(path: str) -> dict[str, Any]:
+    """Train LowLevelZero stage 2 (fp32) 4 steps, then ``booster.save_model`` and
+    ``booster.save_optimizer`` with ``shard=True`` under ``path``; return the gathered state
+    (``state_dict()`` of the ZeRO optimizer, by parameter name) for comparison."""
+    device = _init("cpu")
+    _cpu_workaround()
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import LowLevelZeroPlugin
+
+    model = build_model()
+    names = [n for n, _ in model.named_parameters()]
+    booster = Booster(
+        plugin=LowLevelZeroPlugin(stage=2, precision="fp32", overlap_communication=False)
+    )
+    model, optimizer, *_ = booster.boost(model, torch.optim.Adam(model.parameters(), lr=LR))
+    for i, (x, y) in enumerate(_loader()):
+        booster.backward(F.mse_loss(model(x.to(device)), y.to(device)), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 3:
+            break
+    # size_per_shard=0: every tensor in a shard of its own, so the index really matters
+    booster.save_model(model, f"{path}/model", shard=True, size_per_shard=0)
+    booster.save_optimizer(optimizer, f"{path}/optimizer", shard=True, size_per_shard=0)
+    gathered = optimizer.state_dict()
+    optim = {
+        f"{names[int(i)]}.{k}": v.float().reshape(-1).tolist()
+        for i, entry in gathered["state"].items()
+        for k, v in entry.items()
+        if isinstance(v, torch.Tensor)
+    }
+    dist.destroy_process_group()
+    return {"params": _full_params(model.unwrap()), "optim": optim}

@@ -1,0 +1,79 @@
+"""``accelkit convert`` of ColossalAI's own sharded checkpoints (``booster.save_model`` /
+``save_optimizer`` with ``shard=True``, written by raw ColossalAI on 2 gloo processes), loaded
+afterwards on the ``cpu`` backend: weights and Adam state equal to what ColossalAI's own gather
+(``LowLevelZeroOptimizer.state_dict()``) held at the save. The shards are pickles, so the
+conversion needs ``trust_pickle``; without it, and with a shard missing, it fails clearly."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("colossalai")
+
+from cai_run import run_ranks
+
+import accelkit
+from accelkit.checkpoint.convert import convert
+from accelkit.errors import CheckpointError
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colossalai-native")
+    reference = run_ranks("cai_reference:booster_sharded_save", {"path": str(root / "ck")})[0]
+    return root, reference
+
+
+def _cpu_state(path):
+    accel = accelkit.get("cpu")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(7, 13),
+        torch.nn.Tanh(),
+        torch.nn.Linear(13, 13),
+        torch.nn.Tanh(),
+        torch.nn.Linear(13, 5),
+    )
+    model, opt = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1.0))
+    accel.load(path, {"model": model, "optimizer": opt})
+    names = [n for n, _ in net.named_parameters()]
+    params = {k: v.float().reshape(-1).tolist() for k, v in net.state_dict().items()}
+    optim = {
+        f"{names[i]}.{k}": v.float().reshape(-1).tolist()
+        for i, entry in opt.state_dict()["state"].items()
+        for k, v in entry.items()
+        if isinstance(v, torch.Tensor)
+    }
+    return params, optim, opt.param_groups[0]["lr"]
+
+
+def test_sharded_booster_checkpoint_converts_exactly(saved):
+    root, reference = saved
+    assert len(list((root / "ck" / "model").glob("pytorch_model-*.bin"))) > 1  # really sharded
+    dst = convert(root / "ck", root / "portable", trust_pickle=True)
+    params, optim, lr = _cpu_state(dst)
+    assert params == reference["params"]
+    assert optim == reference["optim"]
+    assert len(optim) == 3 * 6
+    assert lr == 0.05  # the saved param group's, not the target's 1.0
+
+
+def test_pickled_shards_need_trust(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match="is a pickle"):
+        convert(root / "ck", root / "untrusted")
+
+
+def test_missing_shard_fails_naming_it(saved):
+    root, _ = saved
+    broken = root / "broken"
+    shutil.copytree(root / "ck", broken)
+    victim = sorted((broken / "optimizer").glob("pytorch_optim-*.bin"))[-1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=victim.name):
+        convert(broken, root / "from-broken", trust_pickle=True)
