@@ -312,6 +312,8 @@ def run(
 
     with torch.device("meta"):
         workload = get_workload(config.model, config.batch_factory, config.seq)
+        # counted here, on meta: a worker's count misses parameters ZeRO-3 partitioned at build
+        workload_params = sum(p.numel() for p in workload.build().parameters())
     rows = make_rows(config, backends)
     workdir = Path(keep_dir or tempfile.mkdtemp(prefix="accelkit-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -369,7 +371,7 @@ def run(
             row.status = "ok" if len(row.results) == config.repeats else "failed"
             if row.status == "failed" and not row.reason:
                 row.reason = "some repeats did not finish"
-    return summarize(config, device, workload, rows, peak)
+    return summarize(config, device, workload, rows, peak, workload_params)
 
 
 # ---- the result document ----------------------------------------------------------------------------
@@ -414,8 +416,15 @@ def _hardware(device: str, rows: list[Row]) -> dict[str, Any]:
 
 
 def summarize(
-    config: BenchConfig, device: str, workload: Any, rows: list[Row], peak: dict[str, Any]
+    config: BenchConfig,
+    device: str,
+    workload: Any,
+    rows: list[Row],
+    peak: dict[str, Any],
+    params: int | None = None,
 ) -> dict[str, Any]:
+    """The result document; ``params`` (the model's count, from the meta device) is what MFU
+    counts, else each row's own count."""
     results = []
     for row in rows:
         entry: dict[str, Any] = {
@@ -430,7 +439,7 @@ def summarize(
             "reason": row.reason or None,
         }
         if row.status == "ok":
-            entry.update(_figures(config, workload, row, rows, peak))
+            entry.update(_figures(config, workload, row, rows, peak, params))
         results.append(entry)
     return {
         "accelkit_bench": 1,
@@ -452,18 +461,24 @@ def summarize(
             "name": workload.name,
             "description": workload.description,
             "seq_len": workload.seq_len,
+            "params": params,
         },
         "results": results,
     }
 
 
 def _figures(
-    config: BenchConfig, workload: Any, row: Row, rows: list[Row], peak: dict[str, Any]
+    config: BenchConfig,
+    workload: Any,
+    row: Row,
+    rows: list[Row],
+    peak: dict[str, Any],
+    model_params: int | None,
 ) -> dict[str, Any]:
     times = [r["step_s"] for r in row.results]
     median = statistics.median(times)
     world = int(row.ready.get("world_size", row.nproc))
-    params = int(row.ready.get("params", 0))
+    params = int(model_params or row.ready.get("params", 0))
     samples = config.batch * world / median
     figures: dict[str, Any] = {
         "world_size": world,

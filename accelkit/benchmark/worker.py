@@ -68,7 +68,8 @@ class Job:
         from accelkit.benchmark.workloads import get_workload
 
         self.spec = spec
-        self.workload = get_workload(spec["model"], spec.get("batch_factory"), spec.get("seq"))
+        with torch.device("meta"):  # a user factory is called once to check it: on meta
+            self.workload = get_workload(spec["model"], spec.get("batch_factory"), spec.get("seq"))
         self.world_size = 1
         self.rank = 0
         self.device = torch.device("cpu")
@@ -272,7 +273,7 @@ def run_job(spec: dict[str, Any]) -> int:
                 control / "error.json",
                 {"phase": "setup", "reason": _reason(err), "trace": traceback.format_exc()[-3000:]},
             )
-        return 0
+        return 1  # non-zero: torchrun stops the other ranks instead of leaving them waiting
     if job.rank == 0:
         write_json(
             control / "ready.json",

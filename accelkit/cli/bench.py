@@ -226,7 +226,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["results"] if r["status"] == "ok"]
-    labels = [r["label"] for r in rows]
+    labels = [
+        r["label"] + (f"\n{r['world_size']} procs" if r["world_size"] > 1 else "") for r in rows
+    ]
     medians = [r["step_ms"]["median"] for r in rows]
     low = [m - r["step_ms"]["min"] for m, r in zip(medians, rows, strict=True)]
     high = [r["step_ms"]["max"] - m for m, r in zip(medians, rows, strict=True)]
@@ -240,17 +242,18 @@ def plot(result: dict[str, Any], path: str) -> None:
         if r.get("mfu") is not None:
             note.append(f"{100 * r['mfu']:.0f}% MFU")
         if r.get("overhead"):
-            note.append(f"x{r['overhead']['median']:.2f}")
-        if note:
+            note.append(f"{r['overhead']['median']:.2f}x raw")
+        if note:  # above the whisker, so the text never sits on the error bar
             ax_time.annotate(
                 "\n".join(note),
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                (bar.get_x() + bar.get_width() / 2, r["step_ms"]["max"]),
                 ha="center",
                 va="bottom",
                 fontsize=8,
                 xytext=(0, 3),
                 textcoords="offset points",
             )
+    ax_time.set_ylim(0, max(r["step_ms"]["max"] for r in rows) * 1.25 if rows else 1)
     ax_mem.bar(labels, memory, color=colors)
     kind = rows[0]["memory_kind"] if rows else ""
     ax_mem.set_ylabel(f"peak memory, GiB ({kind})")
