@@ -36,6 +36,16 @@ for p in "$@"; do
       part dsbench
       timeout 200 python3 bench/deepspeed_gpt.py --configs z2:bf16-true,z3:bf16-true --repeats 3 --out "$OUTDIR/deepspeed.json" > "$OUTDIR/deepspeed.log" 2>&1
       grep -v Warning "$OUTDIR/deepspeed.log" | tail -8 ;;
+    alltests)
+      part alltests
+      ACCELKIT_GPU_REPORT="$OUTDIR/gpu-report.txt" timeout 200 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 150 tests plugins > "$OUTDIR/gpu-tests-full.log" 2>&1
+      tail -25 "$OUTDIR/gpu-tests-full.log" ;;
+    benchcli)
+      part benchcli
+      timeout 130 python3 -m accelkit.cli bench --model gpt2-small --precision bf16-mixed --batch 8 \
+        --backends cuda,fsdp,deepspeed_stage_2 --steps 20 --warmup 5 --repeats 3 \
+        --out "$OUTDIR/h200-gpt2-b8.json" --plot "$OUTDIR/h200-gpt2-b8.png" > "$OUTDIR/bench-cli.log" 2>&1
+      tail -15 "$OUTDIR/bench-cli.log" ;;
     tests)
       part tests
       timeout 300 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 240 tests plugins 2>&1 | tail -60 | tee "$OUTDIR/gpu-tests.log" ;;
@@ -51,7 +61,7 @@ for p in "$@"; do
       timeout 280 python3 bench/deepspeed_gpt.py --sweep --out "$OUTDIR/deepspeed.json" 2>&1 | tail -40 | tee "$OUTDIR/deepspeed.log" ;;
     checkpoint)
       part checkpoint
-      timeout 150 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
+      timeout 75 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
     fairscale)
       part fairscale
       timeout 150 python3 plugins/fairscale/bench/fsdp_step_time.py 2>&1 | tail -20 | tee "$OUTDIR/fairscale.log" ;;
