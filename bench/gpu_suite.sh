@@ -38,7 +38,7 @@ for p in "$@"; do
       grep -v Warning "$OUTDIR/deepspeed.log" | tail -8 ;;
     alltests)
       part alltests
-      ACCELKIT_GPU_REPORT="$OUTDIR/gpu-report.txt" timeout 200 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 150 tests plugins > "$OUTDIR/gpu-tests-full.log" 2>&1
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 200 python3 -m pytest -q -rsf -p no:cacheprovider -m gpu -o addopts="" --timeout 150 tests plugins > "$OUTDIR/gpu-tests-full.log" 2>&1
       tail -25 "$OUTDIR/gpu-tests-full.log" ;;
     benchcli)
       part benchcli
