@@ -594,7 +594,12 @@ def _load_gathered(backend: Any, reader: Any, state: dict[str, Any]) -> None:
             continue
         master = reader.entry(model_name, MASTER, fqn)
         full[fqn] = reader.read(master if master is not None else saved[fqn])
-    model.load_state_dict(full, strict=reader.strict)
+    saved_dtype = model.mixed_precision
+    model.mixed_precision = torch.float32  # stage through fp32, or the master gets rounded
+    try:
+        model.load_state_dict(full, strict=reader.strict)
+    finally:
+        model.mixed_precision = saved_dtype
     if opt_name is None:
         return
     info = reader.object_info(opt_name, "optimizer")
