@@ -518,15 +518,15 @@ def _gathered_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragmen
     yield ObjectInfo(model_name, {"type": "module", "class": _qualname(inner)})
     params = {fqn for fqn, _t, is_param, _a in module_entries(inner) if is_param}
     for key, value in full.items():
-        if not isinstance(value, torch.Tensor):
-            continue
+        if not rank0 or not isinstance(value, torch.Tensor):
+            continue  # other ranks hold empty placeholders: rank 0 declares every tensor
         kind = PARAM if key in params else BUFFER
         meta = {"gathered": True}
         if kind == PARAM and not exact:
             meta["upcast"] = True  # gathered from the half-precision chunks
-        flat = value.detach().reshape(-1)
-        data = flat if rank0 else flat[:0]
-        yield Fragment(model_name, key, kind, tuple(value.shape), 0, data, meta)
+        yield Fragment(
+            model_name, key, kind, tuple(value.shape), 0, value.detach().reshape(-1), meta
+        )
     if opt_name is None:
         return
     gathered = wrapper.state_dict(only_rank_0=True)  # a collective
