@@ -52,7 +52,6 @@ from accelkit.checkpoint.fragments import (
     classify_state,
     dense_fragments,
     fill_tensor,
-    inner_optimizer,
     load_dense_fragments,
     optimizer_family,
     tensor_fragments,

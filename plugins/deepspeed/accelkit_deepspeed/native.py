@@ -31,7 +31,9 @@ def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, list[str], 
     optimizers = [
         n for n, o in objects.optimizers.items() if o is engine.optimizer or o is optimizer
     ]
-    strangers = [n for n in (*objects.modules, *objects.optimizers) if n not in (*modules, *optimizers)]
+    strangers = [
+        n for n in (*objects.modules, *objects.optimizers) if n not in (*modules, *optimizers)
+    ]
     if strangers or len(modules) != 1:
         raise UnsupportedError(
             f"{backend.name}: a native DeepSpeed checkpoint holds the engine's model and "

@@ -54,3 +54,11 @@ def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options:
     from accelkit_deepspeed.memory import estimate
 
     return estimate(backend, model_stats, options)
+
+
+@accelkit.hookimpl
+def accelkit_checkpoint_importers() -> dict[str, Any]:
+    """``accelkit convert --trust-pickle`` reads raw DeepSpeed checkpoint directories."""
+    from accelkit_deepspeed.importer import DeepSpeedImporter
+
+    return {"deepspeed": DeepSpeedImporter()}

@@ -41,6 +41,11 @@ def deepspeed_state(engine: Any) -> dict[str, Any]:
         out["lp"] = {n: _flat(p) for n, p in params}
     wrapper = engine.optimizer
     base = getattr(wrapper, "optimizer", wrapper)
+    has_state = any(bool(s) for s in base.state.values())  # the same on every rank
+    if has_state and getattr(wrapper, "_hp_optimizer_states_linked", True) is False:
+        # ZeRO-1/2 link their per-parameter optimizer views at the first step (DeepSpeed's
+        # own load_checkpoint does not relink): link them as that step would
+        wrapper._lazy_init_hp_params_optimizer_state()
     for name, p in params:
         if not p.requires_grad:
             out["weights"][name] = out["lp"][name]
@@ -54,12 +59,8 @@ def deepspeed_state(engine: Any) -> dict[str, Any]:
             continue
         out["weights"][name] = _flat(master)
         for key in KEYS:
-            try:
-                value = safe_get_full_optimizer_state(p, key)
-            except (KeyError, TypeError, ValueError, AttributeError):
-                value = None  # no optimizer state yet (before the first step)
-            if value is not None:
-                out[key][name] = _flat(value)
+            if has_state:  # a collective: every rank takes this branch or none does
+                out[key][name] = _flat(safe_get_full_optimizer_state(p, key))
     out["steps"] = sorted(
         {float(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
     )
