@@ -304,3 +304,33 @@ def _hybrid_dump(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
         for k, v in accel.unwrap(model).state_dict().items()
     }
     return {"optim": optim, "params_bf16": params}
+
+
+def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """16-true with an initial loss scale so large that the first steps overflow: what accelkit
+    reports for skipped steps (GPU only: ColossalAI's fp16 scaler needs CUDA)."""
+    out = {}
+    for job in jobs:
+        accel = accelkit.get(
+            job["backend"],
+            {**job.get("options", {}), "initial_scale": 2.0**60, "hysteresis": 1},
+            precision="16-true",
+            max_grad_norm=1.0,
+        )
+        net = _model()
+        model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=LR))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        loader = accel.setup_dataloader(
+            torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False), shuffle=False
+        )
+        skipped, norms, lrs, scales = [], [], [], []
+        for x, y in loader:
+            accel.backward(F.mse_loss(model(x), y))
+            accel.step()
+            optimizer.zero_grad()
+            skipped.append(accel.step_was_skipped)
+            norms.append(float(accel.grad_norm))
+            lrs.append(scheduler.get_last_lr()[0])
+            scales.append(accel.backend.state_dict()["colossalai_loss_scaler"]["scale"])
+        out[job["name"]] = {"skipped": skipped, "norms": norms, "lrs": lrs, "scales": scales}
+    return out

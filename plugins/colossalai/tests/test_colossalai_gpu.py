@@ -15,6 +15,7 @@ first use (~90 s).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ pytest.importorskip("colossalai")
 from cai_run import run_ranks
 
 pytestmark = pytest.mark.gpu
+
+LR = 0.05  # the workers' learning rate
 
 RUNS = [
     ("gemini_bf16", "colossalai_gemini", {}, "bf16-true", "booster_gemini", {"precision": "bf16"}),
@@ -169,3 +172,21 @@ def test_zero_bf16_master_reaches_ddp(checkpoints):
     masters = [v for shard in zbf["masters_at_save"] for v in shard]
     loaded = [v for values in into_ddp["after_load"]["params"].values() for v in values]
     assert loaded == masters  # one process: each master shard is the whole parameter
+
+
+def test_fp16_overflow_skips_the_step_and_the_scheduler():
+    jobs = [
+        dict(name="zero", backend="colossalai_zero", options={"stage": 2}),
+        dict(name="gemini", backend="colossalai_gemini"),
+    ]
+    out = run_ranks("cai_workers:overflow_jobs", {"jobs": jobs}, nproc=1, timeout=900)[0]
+    for name in ("zero", "gemini"):
+        run = out[name]
+        assert run["skipped"][0] is True, run  # 2**60 overflows fp16 gradients at once
+        assert run["norms"][0] == float("inf")
+        assert run["lrs"][0] == LR  # the scheduler did not step on the skipped step
+        assert run["scales"][1] < run["scales"][0]  # and the scale backed off
+        assert False in run["skipped"], "the scale never came down far enough to step"
+        first = run["skipped"].index(False)
+        assert run["lrs"][first] == LR * 0.5  # one scheduler step for the first applied step
+        assert math.isfinite(run["norms"][first])
