@@ -313,7 +313,7 @@ def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     for job in jobs:
         accel = accelkit.get(
             job["backend"],
-            {**job.get("options", {}), "initial_scale": 2.0**60, "hysteresis": 1},
+            {**job.get("options", {}), "initial_scale": 2.0**17, "hysteresis": 1},
             precision="16-true",
             max_grad_norm=1.0,
         )
@@ -324,13 +324,14 @@ def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
             torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False), shuffle=False
         )
         skipped, norms, lrs, scales = [], [], [], []
-        for x, y in loader:
-            accel.backward(F.mse_loss(model(x), y))
-            accel.step()
-            optimizer.zero_grad()
-            skipped.append(accel.step_was_skipped)
-            norms.append(float(accel.grad_norm))
-            lrs.append(scheduler.get_last_lr()[0])
-            scales.append(accel.backend.state_dict()["colossalai_loss_scaler"]["scale"])
+        for _epoch in range(3):  # 21 steps: the scale halves from 2**17 until fp16 holds
+            for x, y in loader:
+                accel.backward(F.mse_loss(model(x), y) * 1000)
+                accel.step()
+                optimizer.zero_grad()
+                skipped.append(accel.step_was_skipped)
+                norms.append(float(accel.grad_norm))
+                lrs.append(scheduler.get_last_lr()[0])
+                scales.append(accel.backend.state_dict()["colossalai_loss_scaler"]["scale"])
         out[job["name"]] = {"skipped": skipped, "norms": norms, "lrs": lrs, "scales": scales}
     return out
