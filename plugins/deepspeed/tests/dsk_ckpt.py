@@ -52,10 +52,13 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
-def _accelerator(backend: str, stage: int | None, precision: str, config: Any) -> Any:
+def _accelerator(
+    backend: str, stage: int | None, precision: str, config: Any, options: dict[str, Any]
+) -> Any:
     if backend == "deepspeed":
-        return accelkit.get("deepspeed", config, precision=precision, zero_stage=stage)
-    options = {"device": "cpu"} if backend in ("ddp", "fsdp") else {}
+        return accelkit.get("deepspeed", config, precision=precision, zero_stage=stage, **options)
+    if backend in ("ddp", "fsdp"):
+        options = {"device": "cpu", **options}
     return accelkit.get(backend, precision=precision, **options)
 
 
@@ -82,9 +85,10 @@ def train(
     load_keys: tuple[str, ...] = ("model", "optimizer", "scheduler"),
     strict: bool = True,
     config: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
     skew_step: bool = False,
 ) -> dict[str, Any]:
-    accel = _accelerator(backend, stage, precision, config)
+    accel = _accelerator(backend, stage, precision, config, options or {})
     rank, world = accel.rank, accel.world_size
     torch.manual_seed(0)
     model = Net()
@@ -109,9 +113,9 @@ def train(
     step = 0
     if load_from:
         subset = {k: state[k] for k in (*load_keys, "step")}
-        options = {"trust_pickle": True} if load_format == "native" else {}
+        trust = {"trust_pickle": True} if load_format == "native" else {}
         try:
-            accel.load(load_from, subset, strict=strict, format=load_format, **options)
+            accel.load(load_from, subset, strict=strict, format=load_format, **trust)
         except Exception as err:  # the test asserts on the type and message
             result["error"] = f"{type(err).__name__}: {err}"
             return result
@@ -121,7 +125,7 @@ def train(
     if save_at == step and save_to:
         save(step)
     while step < steps:
-        x, y = batch(step, rank, world)
+        x, y = (t.to(accel.device) for t in batch(step, rank, world))
         loss = F.mse_loss(model(x), y)
         accel.backward(loss)
         opt.step()

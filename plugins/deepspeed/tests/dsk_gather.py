@@ -46,16 +46,24 @@ def deepspeed_state(engine: Any) -> dict[str, Any]:
         # ZeRO-1/2 link their per-parameter optimizer views at the first step (DeepSpeed's
         # own load_checkpoint does not relink): link them as that step would
         wrapper._lazy_init_hp_params_optimizer_state()
+    # ZeRO-0 with bf16/fp16 weights: DeepSpeed's unfused FP16 optimizer keeps one fp32 copy
+    # per parameter (fp32_groups next to fp16_groups)
+    copies = {}
+    for lows, highs in zip(
+        getattr(wrapper, "fp16_groups", []), getattr(wrapper, "fp32_groups", [])
+    ):
+        copies.update({id(low): high for low, high in zip(lows, highs)})
     for name, p in params:
         if not p.requires_grad:
             out["weights"][name] = out["lp"][name]
             continue
         master = safe_get_full_fp32_param(p)
-        if master is None:  # ZeRO-0: the parameter and the torch optimizer hold it all
-            out["weights"][name] = _flat(p)
+        if master is None:  # ZeRO-0: whole tensors, the torch optimizer's state keyed by them
+            held = copies.get(id(p), p)
+            out["weights"][name] = _flat(held)
             for key in KEYS:
-                if key in base.state.get(p, {}):
-                    out[key][name] = _flat(base.state[p][key])
+                if key in base.state.get(held, {}):
+                    out[key][name] = _flat(base.state[held][key])
             continue
         out["weights"][name] = _flat(master)
         for key in KEYS:

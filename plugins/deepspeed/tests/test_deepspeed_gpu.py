@@ -179,3 +179,46 @@ def test_16_mixed_zero2_overflow_backs_the_scale_off_like_torch(gpu_report):
 
     # under ZeRO raw DeepSpeed (0.19.8) reports the loss-scaled grad norm (accelkit divides it)
     check_all(gpu_report, scenarios, checks, norms_vs_deepspeed=False)
+
+
+# ---- the portable checkpoint on CUDA (issue 6) ------------------------------------------------------
+def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path):
+    """ZeRO-3 bf16 on CUDA writes its ranges; ZeRO-3 resumes bit-exactly, and ZeRO-2, ZeRO-3
+    with CPU offload and the cpu backend receive fp32 masters and Adam state bit for bit
+    (dsk_ckpt's workload, the checks of test_deepspeed_checkpoint.py)."""
+    from test_deepspeed_checkpoint import differing
+
+    path = str(tmp_path / "z3")
+    bf16, cuda = "bf16-true", {"device": "cuda"}
+    offload = {"device": "cuda", "offload_optimizer": "cpu", "offload_param": "cpu"}
+    jobs = [
+        dict(name="z3", stage=3, precision=bf16, options=cuda, save_at=3, save_to=path),
+        dict(name="z3<-z3", stage=3, precision=bf16, options=cuda, load_from=path),
+        dict(name="z2<-z3", stage=2, precision=bf16, options=cuda, load_from=path),
+        dict(name="z3off<-z3", stage=3, precision=bf16, options=offload, load_from=path),
+        dict(name="cpu<-z3", backend="cpu", load_from=path),
+    ]
+    results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=_nproc(), device="cuda", timeout=600)
+    runs = results[0]
+    all_problems = []
+    source = runs["z3"]
+    for name in ("z3<-z3", "z2<-z3", "z3off<-z3", "cpu<-z3"):
+        result, problems, measured = runs[name], [], {}
+        if "error" in result or "crash" in result or "error" in source or "crash" in source:
+            problems.append(str(result.get("error") or result.get("crash") or source)[-2000:])
+        else:
+            keys = (
+                ("weights", "lp", "exp_avg", "exp_avg_sq")
+                if name != "cpu<-z3"
+                else ("weights", "exp_avg", "exp_avg_sq")
+            )
+            bad = differing(result["loaded"], source["saved"], keys)
+            if bad:
+                problems.append(f"not bit for bit after the load: {bad[:6]}")
+            diffs = [abs(a - b) / abs(b) for a, b in zip(result["losses"], source["losses"][3:])]
+            measured = {"loss_max_rel_vs_uninterrupted": max(diffs), "losses": result["losses"]}
+            if name == "z3<-z3" and result["losses"] != source["losses"][3:]:
+                problems.append("the same-stage resume does not reproduce the losses exactly")
+        gpu_report(scenario=name, measured=measured, problems=problems)
+        all_problems += [f"{name}: {p}" for p in problems]
+    assert not all_problems, "\n".join(all_problems)
