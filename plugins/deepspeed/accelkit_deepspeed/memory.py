@@ -10,8 +10,8 @@ it lived, on a 1M-parameter model, 1 and 2 ranks), then written as formulas. Byt
 - ZeRO-0: like one device; ``-true`` adds an fp32 master (``P*s + 12 P``, 8 P more in the step).
 - ZeRO-1 and ZeRO-2: parameters whole plus an fp32 master partition and AdamW's two states,
   ``P*s + 12 P/N``; in the step, ``12 P/N`` more (gradient partition, its fp32 copy, the update's
-  temporary). During backward DeepSpeed allocates its gradient bucket, ``B`` elements of the
-  parameter dtype, one per communication dtype (``-mixed``: low precision for Linear/Conv
+  temporary). In backward, at the first gradient, DeepSpeed allocates its gradient bucket, ``B``
+  elements of the parameter dtype, one per communication dtype (``-mixed``: low precision for Linear/Conv
   parameters, fp32 for the rest, so two buckets), whatever the model's size: with the default
   ``B`` that is 2 GB per fp32 bucket.
 - ZeRO-3: everything partitioned, ``24 P/N`` with fp32 parameters and ``18 P/N`` with ``-true``,
@@ -85,7 +85,8 @@ def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> An
         master, optimizer = 4 * P // N, adam_like * P // N
         grads = P * s // N
         buckets = bucket_elems * s * len(comm_dtypes)
-        dynamic = step_peak(kind, (s / traced_grad_bytes) / N, wcopy) + buckets
+        # the buckets are allocated in the first gradient hook, once part of backward has run
+        dynamic = step_peak(kind, (s / traced_grad_bytes) / N, wcopy, after_first_grad=buckets)
         step = 12 * P // N
         if offload_opt:
             result["host"] = master + optimizer + 4 * P // N

@@ -87,6 +87,7 @@ def train(
     config: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
     skew_step: bool = False,
+    set_scale: float | None = None,
 ) -> dict[str, Any]:
     accel = _accelerator(backend, stage, precision, config, options or {})
     rank, world = accel.rank, accel.world_size
@@ -105,6 +106,8 @@ def train(
             inner = opt.optimizer
             first = inner.param_groups[0]["params"][-1]
             inner.state[first]["step"] = inner.state[first]["step"] - 1
+        if set_scale is not None:  # a loss scale a fresh engine would not have
+            _set_scale(accel.backend.engine, set_scale)
         state["step"] = step
         accel.save(save_to, state, format=save_format)
         result["saved"] = _gather(accel, model, opt)
@@ -140,6 +143,15 @@ def train(
             save(step)
     result["final"] = _gather(accel, model, opt)
     return result
+
+
+def _set_scale(engine: Any, scale: float) -> None:
+    grad_scaler = getattr(engine.optimizer, "torch_autocast_gradscaler", None)
+    if grad_scaler is not None:
+        grad_scaler.update(new_scale=scale)
+    loss_scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if loss_scaler is not None and getattr(loss_scaler, "dynamic", False):
+        loss_scaler.cur_scale = scale
 
 
 # ---- editing a checkpoint between jobs (rank 0 edits, everyone waits) -------------------------

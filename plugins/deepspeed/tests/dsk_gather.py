@@ -72,6 +72,12 @@ def deepspeed_state(engine: Any) -> dict[str, Any]:
     out["steps"] = sorted(
         {float(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
     )
+    grad_scaler = getattr(wrapper, "torch_autocast_gradscaler", None)  # 16-mixed
+    loss_scaler = getattr(wrapper, "loss_scaler", None)  # 16-true: DeepSpeed's own
+    if grad_scaler is not None:
+        out["scale"] = float(grad_scaler.get_scale())
+    elif loss_scaler is not None and getattr(loss_scaler, "dynamic", False):
+        out["scale"] = float(loss_scaler.cur_scale)
     return out
 
 

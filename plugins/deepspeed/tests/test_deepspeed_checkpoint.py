@@ -43,6 +43,18 @@ pytestmark = pytest.mark.slow
 LOSS_RTOL = 1e-6
 BF16_RTOL = 5e-3
 BF16 = "bf16-true"
+OFFLOAD_OPTIMIZER = {"offload_optimizer": "cpu"}
+OFFLOAD_BOTH = {"offload_optimizer": "cpu", "offload_param": "cpu"}
+
+
+def _cpu_fp16() -> bool:
+    """DeepSpeed's fp16 section runs on a CPU with fp16 support (AVX512-FP16) only."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _jobs(nproc: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,6 +80,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return dict(name=name, load_from=kw.pop("load_from", at(source)), **kw)
 
     z3_partitioned = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+    fp16_jobs = [
+        src("z2m", stage=2, precision="16-mixed", set_scale=1024.0),
+        load("z2m<-z2m", "z2m", stage=2, precision="16-mixed"),
+    ]
+    if _cpu_fp16():
+        fp16_jobs += [
+            src("z2h", stage=2, precision="16-true", set_scale=1024.0),
+            load("z2h<-z2h", "z2h", stage=2, precision="16-true"),
+        ]
     results: dict[str, Any] = {}
     # 1 process: sources whose world size changes on load
     results |= _jobs(
@@ -95,6 +116,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             load("z1<-z3", "z3", stage=1, precision=BF16),
             load("z2<-z0", "z0", stage=2, precision=BF16),
             load("z3<-z3x1", "z3x1", stage=3, precision=BF16),
+            # offloaded optimizer state (and parameters), fp16 with DeepSpeed's loss scaler
+            # and with torch's GradScaler
+            src("z2off", stage=2, precision=BF16, options=OFFLOAD_OPTIMIZER),
+            load("z3off<-z2off", "z2off", stage=3, precision=BF16, options=OFFLOAD_BOTH),
+            *fp16_jobs,
             # saved before the first step (ZeRO-1/2 have linked no optimizer state yet)
             src("z2@0", stage=2, precision=BF16, save_at=0),
             load("z2<-z2@0", "z2@0", stage=2, precision=BF16),
@@ -178,14 +204,27 @@ def assert_transfer(runs, target: str, source: str, keys=("weights", "exp_avg", 
 
 
 # ---- same stage, same world size: bit-exact ------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_same_stage_resumes_bit_exactly(runs, stage):
-    name = f"z{stage}"
+@pytest.mark.parametrize(
+    "name",
+    [
+        "z0",
+        "z1",
+        "z2",
+        "z3",
+        "z2m",
+        pytest.param("z2h", marks=pytest.mark.skipif(not _cpu_fp16(), reason="no CPU fp16")),
+    ],
+)
+def test_same_stage_resumes_bit_exactly(runs, name):
+    """bf16-true at ZeRO 0-3; 16-mixed (torch GradScaler) and 16-true (DeepSpeed's loss
+    scaler) at ZeRO-2, their scales restored."""
     resumed, source = ok(runs, f"{name}<-{name}"), ok(runs, name)
     assert not differing(resumed["loaded"], source["saved"], ("weights", "lp", *("exp_avg",)))
     assert not differing(resumed["loaded"], source["saved"], ("exp_avg_sq",))
     assert resumed["losses"] == source["losses"][3:]
     assert resumed["final"] == source["final"]
+    if name in ("z2m", "z2h"):  # the loss scale set before the save (a fresh one is 65536)
+        assert resumed["loaded"]["scale"] == source["saved"]["scale"] == 1024.0
 
 
 def test_the_checkpoint_holds_fp32_masters_and_per_group_steps(runs):
@@ -215,6 +254,7 @@ def test_the_checkpoint_holds_fp32_masters_and_per_group_steps(runs):
         ("z1<-z3", "z3", LOSS_RTOL),
         ("z2<-z0", "z0", LOSS_RTOL),
         ("z3<-z3x1", "z3x1", BF16_RTOL),
+        ("z3off<-z2off", "z2off", LOSS_RTOL),
     ],
 )
 def test_another_stage_or_world_size_receives_the_state_bit_for_bit(runs, target, source, rtol):

@@ -196,13 +196,14 @@ def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path):
         dict(name="z3<-z3", stage=3, precision=bf16, options=cuda, load_from=path),
         dict(name="z2<-z3", stage=2, precision=bf16, options=cuda, load_from=path),
         dict(name="z3off<-z3", stage=3, precision=bf16, options=offload, load_from=path),
-        dict(name="cpu<-z3", backend="cpu", load_from=path),
     ]
+    if _nproc() == 1:  # the cpu backend is one process
+        jobs.append(dict(name="cpu<-z3", backend="cpu", load_from=path))
     results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=_nproc(), device="cuda", timeout=600)
     runs = results[0]
     all_problems = []
     source = runs["z3"]
-    for name in ("z3<-z3", "z2<-z3", "z3off<-z3", "cpu<-z3"):
+    for name in [job["name"] for job in jobs[1:]]:
         result, problems, measured = runs[name], [], {}
         if "error" in result or "crash" in result or "error" in source or "crash" in source:
             problems.append(str(result.get("error") or result.get("crash") or source)[-2000:])
