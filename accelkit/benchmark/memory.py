@@ -26,9 +26,10 @@ Two halves:
   (those autocast computes with in low precision);
 - ``batch_size``, ``precision``, ``activation_checkpointing``;
 - ``activation_bytes``: the traced peak of activations alone for ``precision``;
-- ``step_peak(kind, grad_fraction=1.0, weight_copy_fraction=1.0)``: the traced peak over forward
-  and backward of activations + ``grad_fraction`` x the gradients + ``weight_copy_fraction`` x
-  autocast's weight copies, where ``kind`` is ``"fp32"`` (fp32 weights and compute), ``"autocast"``
+- ``step_peak(kind, grad_fraction=1.0, weight_copy_fraction=1.0, after_first_grad=0)``: the
+  traced peak over forward and backward of activations + ``grad_fraction`` x the gradients +
+  ``weight_copy_fraction`` x autocast's weight copies (+ ``after_first_grad`` bytes from the
+  moment the first gradient exists: a buffer a backend allocates in its first gradient hook), where ``kind`` is ``"fp32"`` (fp32 weights and compute), ``"autocast"``
   (fp32 weights, autocast compute; gradients fp32) or ``"low"`` (bf16/fp16 weights and compute;
   gradients bf16/fp16). Traces are made on first use and cached.
 
@@ -325,10 +326,24 @@ def model_stats(
     def timeline(kind: str) -> tuple[tuple[int, int, int], ...]:
         return tuple(trace_step(workload, batch_size, kind, low, activation_checkpointing))
 
-    def step_peak(kind: str, grad_fraction: float = 1.0, weight_copy_fraction: float = 1.0) -> int:
+    def step_peak(
+        kind: str,
+        grad_fraction: float = 1.0,
+        weight_copy_fraction: float = 1.0,
+        after_first_grad: int = 0,
+    ) -> int:
         points = timeline(kind)
         return int(
-            max((a + weight_copy_fraction * w + grad_fraction * g for a, w, g in points), default=0)
+            max(
+                (
+                    a
+                    + weight_copy_fraction * w
+                    + grad_fraction * g
+                    + (after_first_grad if g else 0)
+                    for a, w, g in points
+                ),
+                default=0,
+            )
         )
 
     stats: dict[str, Any] = {
@@ -436,7 +451,9 @@ def estimate_fsdp(stats: dict[str, Any], options: dict[str, Any]) -> dict[str, A
     optimizer = states * T * s // N
     block = stats["largest_block"]
     gathered = stats["root_params"] * c + 2 * block * c
-    unsharded_grads = block * (c + (4 if mixed else 0))  # + the fp32 reduce-scatter input
+    # the root unit reduce-scatters after the whole backward: its unsharded gradients (and
+    # their fp32 reduce-scatter input) live through it; a block's only while it reduces
+    unsharded_grads = (stats["root_params"] + block) * (c + (4 if mixed else 0))
     kind = "low" if mixed else trace_kind(precision)
     traced_grad_bytes = 2 if kind == "low" else 4
     grad_fraction = 0.0 if offload else (s / traced_grad_bytes) / N
