@@ -100,6 +100,9 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
     state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}
     result: dict[str, Any] = {"losses": [], "world": world}
+    engine = getattr(accel.backend, "engine", None)
+    if engine is not None:  # which of DeepSpeed's optimizer wrappers this run exercises
+        result["wrapper"] = type(engine.optimizer).__name__
 
     def save(step: int) -> None:
         if skew_step:  # one parameter's torch step behind the others

@@ -44,6 +44,7 @@ LOSS_RTOL = 1e-6
 BF16_RTOL = 5e-3
 BF16 = "bf16-true"
 OFFLOAD_OPTIMIZER = {"offload_optimizer": "cpu"}
+FP32_ACCUMULATION = {"data_types": {"grad_accum_dtype": "fp32"}}
 OFFLOAD_BOTH = {"offload_optimizer": "cpu", "offload_param": "cpu"}
 
 
@@ -116,6 +117,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             load("z1<-z3", "z3", stage=1, precision=BF16),
             load("z2<-z0", "z0", stage=2, precision=BF16),
             load("z3<-z3x1", "z3x1", stage=3, precision=BF16),
+            # ZeRO-1 with bf16 weights and fp32 gradient accumulation: DeepSpeed's BF16_Optimizer
+            src("z1acc", stage=1, precision=BF16, config=FP32_ACCUMULATION),
+            load("z1acc<-z1acc", "z1acc", stage=1, precision=BF16, config=FP32_ACCUMULATION),
+            load("z2<-z1acc", "z1acc", stage=2, precision=BF16),
             # offloaded optimizer state (and parameters), fp16 with DeepSpeed's loss scaler
             # and with torch's GradScaler
             src("z2off", stage=2, precision=BF16, options=OFFLOAD_OPTIMIZER),
@@ -133,6 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             load("z2f<-ddp", "ddp", stage=2),
             load("z3f<-ddp", "ddp", stage=3),
             load("z3f<-fsdp", "fsdp", stage=3),
+            load("z0f<-ddp", "ddp", stage=0),  # ZeRO-0 fp32: the module and torch optimizer
             load("z2f<-cpu", "cpu", stage=2),
             load("ddp<-z1f", "z1f", backend="ddp"),
             load("ddp<-z3f", "z3f", backend="ddp"),
@@ -211,6 +217,7 @@ def assert_transfer(runs, target: str, source: str, keys=("weights", "exp_avg", 
         "z1",
         "z2",
         "z3",
+        "z1acc",
         "z2m",
         pytest.param("z2h", marks=pytest.mark.skipif(not _cpu_fp16(), reason="no CPU fp16")),
     ],
@@ -225,6 +232,18 @@ def test_same_stage_resumes_bit_exactly(runs, name):
     assert resumed["final"] == source["final"]
     if name in ("z2m", "z2h"):  # the loss scale set before the save (a fresh one is 65536)
         assert resumed["loaded"]["scale"] == source["saved"]["scale"] == 1024.0
+
+
+def test_every_deepspeed_optimizer_wrapper_is_covered(runs):
+    wrappers = {name: runs[name].get("wrapper") for name in ("z0", "z1", "z1acc", "z2", "z3")}
+    assert wrappers == {
+        "z0": "FP16_UnfusedOptimizer",  # ZeRO-0, bf16 weights: a whole fp32 copy per parameter
+        "z1": "DeepSpeedZeroOptimizer",
+        "z1acc": "BF16_Optimizer",
+        "z2": "DeepSpeedZeroOptimizer",
+        "z3": "DeepSpeedZeroOptimizer_Stage3",
+    }
+    assert runs["z1f"]["wrapper"] == "DeepSpeedZeroOptimizer"
 
 
 def test_the_checkpoint_holds_fp32_masters_and_per_group_steps(runs):
@@ -255,6 +274,7 @@ def test_the_checkpoint_holds_fp32_masters_and_per_group_steps(runs):
         ("z2<-z0", "z0", LOSS_RTOL),
         ("z3<-z3x1", "z3x1", BF16_RTOL),
         ("z3off<-z2off", "z2off", LOSS_RTOL),
+        ("z2<-z1acc", "z1acc", LOSS_RTOL),
     ],
 )
 def test_another_stage_or_world_size_receives_the_state_bit_for_bit(runs, target, source, rtol):
@@ -278,6 +298,7 @@ def test_a_checkpoint_saved_before_the_first_step(runs):
         ("z2f<-ddp", "ddp", LOSS_RTOL),
         ("z3f<-ddp", "ddp", LOSS_RTOL),
         ("z3f<-fsdp", "fsdp", LOSS_RTOL),
+        ("z0f<-ddp", "ddp", LOSS_RTOL),
         ("z2f<-cpu", "cpu", LOSS_RTOL),
         ("ddp<-z1f", "z1f", LOSS_RTOL),
         ("ddp<-z3f", "z3f", LOSS_RTOL),
