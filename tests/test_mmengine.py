@@ -652,8 +652,7 @@ def test_deepspeed_two_processes_track_mmengine_ddp(two_process_runs: Path, stag
         work_dir=name,
         runner="runner",
         accelkit=dict(backend="deepspeed", config=dict(zero_stage=stage)),
-        # DeepSpeed's portable checkpoint is not written yet (issue 6): no checkpoint hook
-        kw=dict(DISTRIBUTED, save=False),
+        kw=DISTRIBUTED,
     )
     _run(root, "accelkit_driver.py", [spec], nproc=2)
     for rank in (0, 1):
