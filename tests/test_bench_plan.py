@@ -300,10 +300,25 @@ def test_plan_lists_backends_without_estimate(capsys):
 
     from accelkit import registry
 
+    class Broken:
+        @accelkit.hookimpl
+        def accelkit_register_backends(self, registry):
+            registry.add("broken_backend", NoEstimate)
+
+        @accelkit.hookimpl(tryfirst=True)
+        def accelkit_estimate_memory(self, backend, model_stats, options):
+            if backend == "broken_backend":
+                raise RuntimeError("estimator bug")
+            return None
+
     registry.register_plugin(Plugin(), "quiet-plugin")
+    registry.register_plugin(Broken(), "broken-plugin")
     plan = plan_json(capsys, "mlp", "--gpus", "2")
     assert "quiet_backend" in plan["no_estimate"]
-    assert "quiet_backend" not in {c["label"] for c in plan["candidates"]}
+    labels = {c["label"] for c in plan["candidates"]}
+    assert "quiet_backend" not in labels and "broken_backend" not in labels
+    assert plan["failed_estimates"] == ["broken_backend (RuntimeError: estimator bug)"]
+    assert plan["recommendation"] == "ddp"  # the others are still planned
 
 
 def test_plan_refuses_bad_input(capsys):

@@ -75,6 +75,7 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
     }
     candidates: list[Candidate] = []
     silent: list[str] = []
+    failed: list[str] = []
     for spec in host.registry.specs():
         if spec.alias_of is not None:
             continue
@@ -88,7 +89,11 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
         if missing:
             note = f"needs {', '.join(missing)}: {spec.install}".strip(": ")
         options = {**base_options, "backend_options": dict(spec.defaults)}
-        estimate = _estimate(host, spec.name, stats, options)
+        try:
+            estimate = _estimate(host, spec.name, stats, options)
+        except Exception as err:  # a plugin's estimator bug must not hide the other backends
+            failed.append(f"{spec.name} ({type(err).__name__}: {err})")
+            continue
         if estimate is None:
             continue
         candidates.append(Candidate(spec.name, spec.name, dict(spec.defaults), estimate, note=note))
@@ -131,6 +136,7 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
         "recommendation": best,
         "reason": _reason(best, fitting, candidates, request, budget),
         "no_estimate": silent,
+        "failed_estimates": failed,
     }
 
 

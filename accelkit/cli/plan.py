@@ -170,6 +170,8 @@ def render(plan: dict[str, Any]) -> str:
             "No estimate (their plugin does not implement accelkit_estimate_memory): "
             + ", ".join(plan["no_estimate"])
         )
+    if plan["failed_estimates"]:
+        lines.append("Estimate failed: " + "; ".join(plan["failed_estimates"]))
     lines.append(
         "Columns are GiB per GPU; 'activations' is the traced forward+backward peak (with the "
         "gradients it overlaps and any gathered-parameter working set), so the peak is not the "
