@@ -2,7 +2,7 @@
 # accelkit's GPU tests and benchmarks, in one call on a CUDA machine whose image already has torch.
 # Packages the image lacks (deepspeed and its pure-Python needs) travel as wheels in .whl/.
 #
-#   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint]
+#   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
 set -u
@@ -31,7 +31,12 @@ for p in "$@"; do
     dstests)
       part dstests
       ACCELKIT_GPU_REPORT="$OUTDIR" timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
-      sed -n '/GPU summary/,$p' "$OUTDIR/ds-tests.log" | tail -60 ;;
+      sed -n '/GPU summary/,$p' "$OUTDIR/ds-tests.log" | tail -70
+      tail -3 "$OUTDIR/ds-tests.log" ;;
+    dsckpt)
+      part dsckpt
+      timeout 150 python3 bench/deepspeed_checkpoint.py --out "$OUTDIR/ds-checkpoint.json" > "$OUTDIR/ds-checkpoint.log" 2>&1
+      grep -v -i warn "$OUTDIR/ds-checkpoint.log" | tail -14 ;;
     dsbench)
       part dsbench
       timeout 200 python3 bench/deepspeed_gpt.py --configs z2:bf16-true,z3:bf16-true --repeats 3 --out "$OUTDIR/deepspeed.json" > "$OUTDIR/deepspeed.log" 2>&1
