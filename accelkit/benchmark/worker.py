@@ -110,6 +110,7 @@ def build_raw(job: Job) -> None:
         backend = "nccl" if job.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=job.device if backend == "nccl" else None)
     elif job.device.type == "cuda":
+        job.device = torch.device("cuda", job.device.index or 0)  # set_device needs the index
         torch.cuda.set_device(job.device)
     precision = spec["precision"]
     low = low_dtype(precision)
