@@ -134,6 +134,12 @@ def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
     if not model_file.is_file():
         raise CheckpointError(f"{folder}: {model_file.name} is missing")
     model = _load(model_file)
+    world = model.get("dp_world_size")
+    if optim_files and isinstance(world, int) and world != len(optim_files):
+        raise CheckpointError(
+            f"{folder}: written by {world} data-parallel ranks, but {len(optim_files)} optimizer "
+            "state files are there; a rank's file is missing"
+        )
     tensors: dict[tuple[str, str, str], Any] = {}
     objects: dict[str, dict[str, Any]] = {"model": {"type": "module", "class": "(deepspeed)"}}
     module = model.get("module") or {}

@@ -184,6 +184,9 @@ def tamper(source: str, target: str, how: str) -> dict[str, Any]:
         shutil.copytree(src, dst)
         if how == "missing_shard":
             (dst / "rank-00001.safetensors").unlink()
+        elif how == "missing_deepspeed_rank":  # a raw DeepSpeed checkpoint's last rank file
+            for file in dst.rglob("*zero_pp_rank_1_*optim_states.pt"):
+                file.unlink()
         elif how == "offset":
 
             def shift(manifest: dict[str, Any]) -> None:
@@ -200,14 +203,22 @@ def tamper(source: str, target: str, how: str) -> dict[str, Any]:
 
 def convert(source: str, target: str, trust_pickle: bool = True) -> dict[str, Any]:
     """``accelkit convert`` (the CLI) of a raw DeepSpeed checkpoint, on rank 0."""
+    import contextlib
+    import io
+
     out: dict[str, Any] = {}
     if _rank() == 0:
         from accelkit.cli import main
 
+        stderr = io.StringIO()
         try:
-            out["code"] = main(["convert", source, target, *(["--trust-pickle"] * trust_pickle)])
+            with contextlib.redirect_stderr(stderr):
+                out["code"] = main(
+                    ["convert", source, target, *(["--trust-pickle"] * trust_pickle)]
+                )
         except SystemExit as exit_:
             out["code"] = exit_.code
+        out["stderr"] = stderr.getvalue()[-2000:]
     _barrier()
     return out
 

@@ -159,6 +159,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             dict(job="convert", source=at("native"), target=at("untrusted"), trust_pickle=False),
             load("z3<-converted", "converted", stage=3, precision=BF16),
             load("ddp<-converted", "converted", backend="ddp"),
+            src("native3", stage=3, save_format="native"),
+            dict(job="convert", source=at("native3"), target=at("converted3")),
+            load("ddp<-converted3", "converted3", backend="ddp"),
+            dict(
+                job="tamper",
+                source=at("native3"),
+                target=at("native3-"),
+                how="missing_deepspeed_rank",
+            ),
+            dict(job="convert", source=at("native3-"), target=at("converted3-")),
         ],
     )
     # 1 process: resume 2-rank DeepSpeed checkpoints at world size 1
@@ -361,3 +371,15 @@ def test_native_format_round_trip_and_import(runs):
     ):
         assert_transfer(runs, target, "native")
         assert worst(runs[target]["losses"], source["losses"][3:]) <= rtol, target
+    untrusted = runs["convert:" + str(base / "untrusted")]["stderr"]
+    assert "--trust-pickle" in untrusted and "pickle" in untrusted
+
+
+def test_a_raw_zero3_checkpoint_converts_with_its_optimizer_state(runs):
+    base = Path(runs["base"])
+    assert runs["convert:" + str(base / "converted3")]["code"] == 0
+    assert_transfer(runs, "ddp<-converted3", "native3")
+    assert worst(runs["ddp<-converted3"]["losses"], runs["native3"]["losses"][3:]) <= LOSS_RTOL
+    broken = runs["convert:" + str(base / "converted3-")]
+    assert broken["code"] == 1 and "a rank's file is missing" in broken["stderr"], broken
+    assert not (base / "converted3-").exists()
