@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import deepspeed_gpt as workload  # noqa: E402  (the model and the process group setup)
+import deepspeed_gpt as workload  # the model and the process group setup
 
 
 def _size(path: Path) -> int:
@@ -137,9 +137,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
 
     def rate(side: str, key: str, extra: str | None = None) -> dict[str, float]:
-        per = [
-            sizes[side] / 1e9 / (r[key] + (r[extra] if extra else 0.0)) for r in rounds
-        ]
+        per = [sizes[side] / 1e9 / (r[key] + (r[extra] if extra else 0.0)) for r in rounds]
         return {"median": statistics.median(per), "min": min(per), "max": max(per)}
 
     return {
@@ -186,15 +184,15 @@ def main() -> int:
     result = run(args, device)
     if dist.get_rank() == 0:
         rates = result["gb_per_s"]
-        print(f"\n{result['device']}, ZeRO-{args.stage} {args.precision}, world {result['world_size']}")
+        print(
+            f"\n{result['device']}, ZeRO-{args.stage} {args.precision}, world {result['world_size']}"
+        )
         print(
             f"bytes on disk: accelkit {result['bytes']['accelkit'] / 1e9:.3f} GB, "
             f"DeepSpeed {result['bytes']['deepspeed'] / 1e9:.3f} GB"
         )
         for key, value in rates.items():
-            print(
-                f"{key:26s} {value['median']:6.2f} GB/s  [{value['min']:.2f}-{value['max']:.2f}]"
-            )
+            print(f"{key:26s} {value['median']:6.2f} GB/s  [{value['min']:.2f}-{value['max']:.2f}]")
         print(f"same loss after either load: {result['same_loss_after_load']}")
         text = json.dumps(result, indent=1)
         if args.out == "-":
