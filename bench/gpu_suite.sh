@@ -35,7 +35,7 @@ for p in "$@"; do
       tail -3 "$OUTDIR/ds-tests.log" ;;
     dsckpt)
       part dsckpt
-      timeout 150 python3 bench/deepspeed_checkpoint.py --out "$OUTDIR/ds-checkpoint.json" > "$OUTDIR/ds-checkpoint.log" 2>&1
+      timeout 120 python3 bench/deepspeed_checkpoint.py --out "$OUTDIR/ds-checkpoint.json" > "$OUTDIR/ds-checkpoint.log" 2>&1
       grep -v -i warn "$OUTDIR/ds-checkpoint.log" | tail -14 ;;
     dsbench)
       part dsbench
