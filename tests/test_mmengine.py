@@ -657,6 +657,7 @@ def test_deepspeed_two_processes_track_mmengine_ddp(two_process_runs: Path, stag
     _run(root, "accelkit_driver.py", [spec], nproc=2)
     for rank in (0, 1):
         _close_run(_record(root, name, rank), _record(root, "ref", rank), SHARDED_TOL)
+    assert (root / name / "epoch_2.pth" / "rank-00001.safetensors").is_file()
 
 
 # ---- translation of MMEngine's config, and the no-pickle codec (in process, fast) ---------------
