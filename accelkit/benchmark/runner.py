@@ -376,7 +376,6 @@ def run(
 
 # ---- the result document ----------------------------------------------------------------------------
 def _versions() -> dict[str, Any]:
-    from importlib import metadata
 
     import torch
 
@@ -388,17 +387,12 @@ def _versions() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "accelkit": __version__,
     }
-    for dist in (
-        "deepspeed",
-        "fairscale",
-        "colossalai",
-        "accelkit-deepspeed",
-        "accelkit-fairscale",
-    ):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
+    # each plugin reports its own libraries through the accelkit_env_report hook
+    from accelkit.registry import host
+
+    found.update({k: v for k, v in host().env_report().items() if v})
+    for record in host().plugins:
+        found.setdefault(record.distribution, record.version)
     return found
 
 

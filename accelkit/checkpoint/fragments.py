@@ -515,16 +515,7 @@ def load_optimizer(
 ) -> None:
     """Fill a torch optimizer's hyperparameters and per-parameter state, matched by fqn."""
     info = reader.object_info(name, "optimizer")
-    saved_groups = info.get("param_groups", [])
     group_names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    if len(saved_groups) != len(opt.param_groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(opt.param_groups)}",
-        )
     family = info.get("family")
     if family and family != optimizer_family(opt):
         log.warning(
@@ -533,33 +524,7 @@ def load_optimizer(
             family,
             optimizer_family(opt),
         )
-    saved_names = [list(g.get("params", [])) for g in saved_groups]
-    target_all = {n for names in group_names for n in names}
-    saved_all = {n for names in saved_names for n in names}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
-    for g, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
-        if set(saved.get("params", [])) != set(group_names[g]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {g} holds different parameters in the checkpoint",
-            )
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            value = decode(value)
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
+    load_param_groups(reader, name, info, opt.param_groups, group_names)
     per_param = reader.optimizer_entries(name)
     scalar_state = info.get("scalar_state", {})
     for group, pnames in zip(opt.param_groups, group_names):
@@ -577,3 +542,49 @@ def load_optimizer(
                 fill_tensor(reader, entry, target)
             for key, value in scalars.items():
                 state[key] = decode(value)
+
+
+def load_param_groups(
+    reader: Any,
+    name: str,
+    info: dict[str, Any],
+    groups: list[dict[str, Any]],
+    group_names: list[list[str]],
+) -> None:
+    """Check that ``groups`` hold the saved parameters (by fqn, group by group) and copy the saved
+    hyperparameters into them. Shared by every backend that loads an optimizer."""
+    saved_groups = info.get("param_groups", [])
+    if len(saved_groups) != len(groups):
+        reader.check_keys(
+            f"optimizer {name!r}",
+            [],
+            [],
+            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(groups)}",
+        )
+    target_all = {n for names in group_names for n in names}
+    saved_all = {n for group in saved_groups for n in group.get("params", [])}
+    reader.check_keys(
+        f"optimizer {name!r} parameters",
+        sorted(target_all - saved_all),
+        sorted(saved_all - target_all),
+    )
+    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if set(saved.get("params", [])) != set(group_names[index]):
+            reader.check_keys(
+                f"optimizer {name!r}",
+                [],
+                [],
+                extra=f"param group {index} holds different parameters in the checkpoint",
+            )
+        for key, value in saved.items():
+            if key == "params":
+                continue
+            value = decode(value)
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+            else:
+                group[key] = value

@@ -41,6 +41,7 @@ from accelkit.checkpoint.fragments import (
     dense_fragments,
     fill_tensor,
     load_dense_fragments,
+    load_param_groups,
     optimizer_family,
     tensor_fragments,
 )
@@ -395,7 +396,7 @@ def _load_optimizer(
             owner = owners.get(id(slot.working)) if slot is not None else None
             row.append(_param_name(owner, primary, f"param_groups.{g}.params.{i}"))
         names.append(row)
-    _load_hyperparams(reader, name, info, opt.param_groups, names)
+    load_param_groups(reader, name, info, opt.param_groups, names)
     family = info.get("family")
     if family and family != optimizer_family(opt):
         log.warning(
@@ -437,50 +438,6 @@ def _load_optimizer(
                 flat[slot.count :].zero_()
             for key, value in saved_scalars.items():
                 slot_state[key] = decode(value)
-
-
-def _load_hyperparams(
-    reader: Any,
-    name: str,
-    info: dict[str, Any],
-    groups: list[dict[str, Any]],
-    names: list[list[str]],
-) -> None:
-    saved_groups = info.get("param_groups", [])
-    if len(saved_groups) != len(groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(groups)}",
-        )
-    target_all = {n for row in names for n in row}
-    saved_all = {n for group in saved_groups for n in group.get("params", [])}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
-    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-        if set(saved.get("params", [])) != set(names[index]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {index} holds different parameters in the checkpoint",
-            )
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            value = decode(value)
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
 
 
 # ---- Gemini: gathered ------------------------------------------------------------------------
@@ -609,7 +566,7 @@ def _load_gathered(backend: Any, reader: Any, state: dict[str, Any]) -> None:
     rows = [
         [next(n for n, i in pid_of.items() if i == pid) for pid in g["params"]] for g in current
     ]
-    _load_hyperparams(reader, opt_name, info, current, rows)
+    load_param_groups(reader, opt_name, info, current, rows)
     per_param, scalars = _state_entries(reader, info, opt_name)
     loaded: dict[int, dict[str, Any]] = {}
     for pname, entries in per_param.items():

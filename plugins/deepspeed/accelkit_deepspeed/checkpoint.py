@@ -53,6 +53,7 @@ from accelkit.checkpoint.fragments import (
     dense_fragments,
     fill_tensor,
     load_dense_fragments,
+    load_param_groups,
     optimizer_family,
     tensor_fragments,
 )
@@ -562,7 +563,7 @@ def _load_optimizer(
         raise CheckpointError(f"{backend.name}: the engine has no optimizer to load into")
     info = reader.object_info(name, "optimizer")
     names, _ = _group_names(layout, owners, primary=info.get("model"))
-    _load_hyperparams(reader, name, info, base.param_groups, names)
+    load_param_groups(reader, name, info, base.param_groups, names)
     family = info.get("family")
     if family and family != optimizer_family(base):
         log.warning(
@@ -679,50 +680,6 @@ def _relink(layout: Layout, flats: list[torch.Tensor]) -> None:
     wrapper._hp_optimizer_states_linked = False
     if all(layout.base.state.get(flat) for flat in flats):
         wrapper._lazy_init_hp_params_optimizer_state()
-
-
-def _load_hyperparams(
-    reader: Any,
-    name: str,
-    info: dict[str, Any],
-    groups: list[dict[str, Any]],
-    names: list[list[str]],
-) -> None:
-    saved_groups = info.get("param_groups", [])
-    if len(saved_groups) != len(groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(groups)}",
-        )
-    target_all = {n for row in names for n in row}
-    saved_all = {n for group in saved_groups for n in group.get("params", [])}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
-    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-        if set(saved.get("params", [])) != set(names[index]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {index} holds different parameters in the checkpoint",
-            )
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            value = decode(value)
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
 
 
 # ---- the engine's own small state ---------------------------------------------------------------

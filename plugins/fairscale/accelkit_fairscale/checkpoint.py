@@ -42,6 +42,7 @@ from accelkit.checkpoint.fragments import (
     dense_fragments,
     fill_tensor,
     load_dense_fragments,
+    load_param_groups,
     optimizer_family,
     optimizer_param_names,
     param_owners,
@@ -76,49 +77,6 @@ def _hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
         except CheckpointError:
             log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
     return out
-
-
-def _load_hyperparams(
-    reader: Any, name: str, groups: list[dict[str, Any]], names: list[list[str]]
-) -> dict[str, Any]:
-    """Check the param groups hold the same parameters; copy the saved hyperparameters in."""
-    info = reader.object_info(name, "optimizer")
-    saved_groups = info.get("param_groups", [])
-    if len(saved_groups) != len(groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(groups)}",
-        )
-    target_all = {n for group in names for n in group}
-    saved_all = {n for group in saved_groups for n in group.get("params", [])}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
-    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-        if set(saved.get("params", [])) != set(names[index]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {index} holds different parameters in the checkpoint",
-            )
-        for key, value in saved.items():
-            if key == "params":
-                continue
-            value = decode(value)
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            elif isinstance(current, tuple) and isinstance(value, list):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
-    return info
 
 
 def _new_state(like: torch.Tensor, key: str, entry: Any) -> torch.Tensor:
@@ -221,7 +179,9 @@ def _load_oss_optimizer(
 ) -> None:
     info = reader.object_info(name, "optimizer")
     group_names, _ = optimizer_param_names(oss, owners, primary=info.get("model"))
-    _load_hyperparams(reader, name, oss.param_groups, group_names)
+    load_param_groups(
+        reader, name, reader.object_info(name, "optimizer"), oss.param_groups, group_names
+    )
     _warn_family(name, info, oss.optim)
     # the wrapped optimizer's groups follow OSS's (OSS syncs them at each step; do it now)
     owned = {id(p) for group in oss.optim.param_groups for p in group["params"]}
@@ -544,7 +504,8 @@ def _load_fsdp_optimizer(
         [piece.fqn for p in group["params"] for piece in by_param[id(p)].pieces]
         for group in opt.param_groups
     ]
-    info = _load_hyperparams(reader, name, opt.param_groups, names)
+    info = reader.object_info(name, "optimizer")
+    load_param_groups(reader, name, info, opt.param_groups, names)
     _warn_family(name, info, opt)
     per_param = reader.optimizer_entries(name)
     scalars = info.get("scalar_state", {})
