@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,10 @@ def _main() -> None:
     result = function(**kwargs)
     rank = int(os.environ.get("RANK", "0"))
     (outdir / f"rank-{rank}.json").write_text(json.dumps(result))
+    # A raw reference destroys its gloo group itself; gloo's worker threads drop their last work
+    # a moment later and abort the process if the interpreter is finalizing by then (see
+    # accelkit/distributed.py, _leave_group_at_exit). Release the GIL for them first.
+    time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -19,6 +20,10 @@ def main() -> None:
     result = function(**json.loads((outdir / "kwargs.json").read_text()))
     rank = int(os.environ.get("RANK", "0"))
     (outdir / f"rank-{rank}.json").write_text(json.dumps(result))
+    # A raw reference destroys its gloo group itself; gloo's worker threads drop their last work
+    # a moment later and abort the process if the interpreter is finalizing by then (see
+    # accelkit/distributed.py, _leave_group_at_exit). Release the GIL for them first.
+    time.sleep(0.1)
 
 
 if __name__ == "__main__":
