@@ -101,6 +101,21 @@ def test_export_shows_progress_when_asked(source, tmp_path, capfd):
     assert "export m.safetensors" in capfd.readouterr().err
 
 
+def test_large_conversions_show_progress_by_default(source, tmp_path, capfd, monkeypatch):
+    """The bar appears on its own from PROGRESS_BYTES up (lowered here to this small state),
+    not below it, and never with --no-progress."""
+    import accelkit.checkpoint.convert as convert_module
+
+    assert cli(["convert", str(source["path"]), str(tmp_path / "small.safetensors")]) == 0
+    assert "export small.safetensors" not in capfd.readouterr().err
+    monkeypatch.setattr(convert_module, "PROGRESS_BYTES", 1)
+    assert cli(["convert", str(source["path"]), str(tmp_path / "big.safetensors")]) == 0
+    assert "export big.safetensors" in capfd.readouterr().err
+    out = tmp_path / "quiet.safetensors"
+    assert cli(["convert", str(source["path"]), str(out), "--no-progress"]) == 0
+    assert "export quiet.safetensors" not in capfd.readouterr().err
+
+
 def test_export_of_a_damaged_checkpoint_fails(source, tmp_path, capfd):
     import shutil
 
@@ -240,7 +255,7 @@ def test_import_lightning_checkpoint(tmp_path):
     assert rest["global_step"] == 3 and rest["lightning_version"] == "2.4.0"
 
 
-def test_import_dcp_directory(source, tmp_path):
+def test_import_dcp_directory(source, tmp_path, capfd):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -248,11 +263,99 @@ def test_import_dcp_directory(source, tmp_path):
     with pytest.warns(UserWarning):
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp"))
     assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "no")]) == 1
+    assert "is a pickle" in capfd.readouterr().err and not (tmp_path / "no").exists()
     assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "out"), "--trust-pickle"]) == 0
     model, opt = _fresh()
     load(None, tmp_path / "out", {"model": model, "optimizer": opt})
     _assert_model_equal(model, source["model"])
     _assert_optimizer_equal(opt, source["opt"])
+
+
+class _LitNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        )
+
+
+def test_import_a_checkpoint_written_by_lightning(tmp_path):
+    """A checkpoint the real Lightning Trainer wrote (skipped where lightning is absent)."""
+    lightning = pytest.importorskip("lightning")
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _LitNet().net
+
+        def training_step(self, batch, index):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 2))
+    module = Module()
+    trainer = lightning.Trainer(
+        max_steps=3,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+    )
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    assert cli(["convert", str(tmp_path / "last.ckpt"), str(tmp_path / "no")]) == 1
+    code = cli(
+        [
+            "convert",
+            str(tmp_path / "last.ckpt"),
+            str(tmp_path / "out"),
+            "--trust-pickle",
+            "--strip-prefix",
+            "net.",
+        ]
+    )
+    assert code == 0
+    model = _LitNet().net
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    rest = load(None, tmp_path / "out", {"model": model, "optimizer": opt, "scheduler": sched})
+    _assert_model_equal(model, module.net)
+    _assert_optimizer_equal(opt, trainer.optimizers[0])
+    assert sched.state_dict() == trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    assert rest["global_step"] == 3 and rest["lightning_version"] == lightning.__version__
+
+
+def test_import_a_checkpoint_written_by_fabric(tmp_path):
+    """A checkpoint the real Fabric.save wrote (skipped where lightning is absent)."""
+    lightning = pytest.importorskip("lightning")
+    torch.manual_seed(0)
+    fabric = lightning.Fabric(accelerator="cpu", devices=1)
+    net = _LitNet().net
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model, opt = fabric.setup(net, sgd)
+    for _ in range(2):
+        fabric.backward(model(torch.randn(3, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": opt, "step": 2})
+    assert (
+        cli(["convert", str(tmp_path / "fabric.ckpt"), str(tmp_path / "out"), "--trust-pickle"])
+        == 0
+    )
+    fresh = _LitNet().net
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    load(None, tmp_path / "out", state)
+    _assert_model_equal(fresh, net)
+    _assert_optimizer_equal(fresh_opt, sgd)
+    assert state["step"] == 2
 
 
 def test_unknown_input_lists_the_importers(tmp_path, capfd):

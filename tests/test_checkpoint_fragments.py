@@ -196,6 +196,63 @@ def test_ranks_that_do_not_share_the_directory_fail_clearly(written):
         assert "filesystem they all share" in message
 
 
+def test_the_uneven_checkpoint_exports_to_one_plain_file(written, tmp_path):
+    """`accelkit convert` gathers the two ranks' uneven ranges into one plain file."""
+    from safetensors.torch import load_file
+
+    from accelkit.cli import main as cli
+
+    out = tmp_path / "model.safetensors"
+    assert cli(["convert", str(written["path"]), str(out)]) == 0
+    exported = load_file(str(out))
+    params, _ = _source()
+    assert sorted(exported) == sorted(params)
+    for name, value in exported.items():
+        assert torch.equal(value, params[name]), name
+    model = ref.Net()
+    missing, unexpected = model.load_state_dict(exported, strict=False)
+    assert (
+        missing == ["head.weight"] and unexpected == []
+    )  # tied to embed: the writer named no alias
+
+
+def test_uneven_twin_flipped_byte_in_rank_1s_part(written, tmp_path):
+    """A flipped byte in rank 1's part of a tensor cut across both files: rank 0's part reads,
+    a one-element read of rank 1's part fails naming that file and the tensor."""
+    import json
+    import re
+    import shutil
+
+    from accelkit.checkpoint import CheckpointReader
+    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.errors import CheckpointError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(written["path"], bad)
+    manifest = json.loads((bad / "accelkit.json").read_text())
+    entry = next(
+        t for t in manifest["tensors"] if t["object"] == "model" and len(t["fragments"]) == 2
+    )
+    frag = entry["fragments"][1]
+    assert frag["file"] == "rank-00001.safetensors"
+    target = bad / frag["file"]
+    header, start = read_header(target)
+    raw = bytearray(target.read_bytes())
+    raw[start + header[frag["key"]]["data_offsets"][0] + 4 * (frag["numel"] - 1)] ^= 0x01
+    target.write_bytes(bytes(raw))
+    params, _ = _source()
+    with CheckpointReader(bad) as reader:
+        e = reader.entry("model", "param", entry["fqn"])
+        head = reader.read_flat(e, 0, frag["flat_offset"])
+        assert torch.equal(head, params[entry["fqn"]].reshape(-1)[: frag["flat_offset"]])
+        with pytest.raises(
+            CheckpointError,
+            match=rf"rank-00001\.safetensors: fragment \S+ of tensor "
+            rf"model:param:{re.escape(entry['fqn'])} .*failed its checksum",
+        ):
+            reader.read_flat(e, frag["flat_offset"], 1)
+
+
 # ---- DTensor placements other than Shard(0): gathered, then cut again on load ---------------------------
 def _tp_module(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
