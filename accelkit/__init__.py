@@ -19,6 +19,7 @@ from accelkit.hookspecs import hookimpl
 _LAZY = {
     "get": "accelkit.api",
     "describe": "accelkit.api",
+    "launch": "accelkit.launcher",
     "Accelerator": "accelkit.accelerator",
     "Backend": "accelkit.backend",
     "Capabilities": "accelkit.backend",
@@ -30,6 +31,7 @@ _LAZY = {
     "BackendNotFoundError": "accelkit.errors",
     "CheckpointError": "accelkit.errors",
     "ConfigError": "accelkit.errors",
+    "DistributedError": "accelkit.errors",
     "PluginMissingError": "accelkit.errors",
     "UnsupportedError": "accelkit.errors",
     "register_plugin": "accelkit.registry",
@@ -40,6 +42,7 @@ __all__ = [
     "hookimpl",
     "get",
     "describe",
+    "launch",
     "Accelerator",
     "Backend",
     "Capabilities",
@@ -51,6 +54,7 @@ __all__ = [
     "BackendNotFoundError",
     "CheckpointError",
     "ConfigError",
+    "DistributedError",
     "PluginMissingError",
     "UnsupportedError",
     "register_plugin",
@@ -65,9 +69,11 @@ if TYPE_CHECKING:
         BackendNotFoundError,
         CheckpointError,
         ConfigError,
+        DistributedError,
         PluginMissingError,
         UnsupportedError,
     )
+    from accelkit.launcher import launch
     from accelkit.registry import register_plugin
     from accelkit.seed import seed_everything
 

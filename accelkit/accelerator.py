@@ -29,6 +29,11 @@ from accelkit.wrappers import (
 
 log = logging.getLogger("accelkit")
 
+_EVERY_RANK = (
+    "save() and load() are collective on every backend: call them on every rank, not under "
+    "`if accel.is_main:` (each rank writes or reads its own part)."
+)
+
 
 @dataclass
 class _Window:
@@ -114,6 +119,8 @@ class Accelerator:
     # ---- setup --------------------------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """Context to build the model in: on the device, on meta, or partitioned (ZeRO-3)."""
+        if self.capabilities.init_context == "zero.Init":  # partitions collectively
+            distributed.refuse_unsynced(f"{self.name}: init_module()")
         return self.backend.init_module(empty_init)
 
     def setup(
@@ -129,6 +136,7 @@ class Accelerator:
         ``torch.optim.Optimizer`` instances, so torch LR schedulers accept them. ``kwargs`` go
         to the backend (``compile=True``, ``activation_checkpointing=...``, ...).
         """
+        distributed.refuse_unsynced("setup()")  # wrapping broadcasts or shards the weights
         for opt in optimizers:
             if isinstance(opt, AcceleratedOptimizer):
                 raise ConfigError("this optimizer was already set up; pass the original one")
@@ -460,7 +468,9 @@ class Accelerator:
     ) -> Any:
         """Write a portable checkpoint of ``state`` (models, optimizers, schedulers, loaders, extras).
 
-        ``format="native"``: the backend library's own format instead, where it has one."""
+        ``format="native"``: the backend library's own format instead, where it has one.
+        Collective: every rank calls it (a rank that does not is named in the error)."""
+        distributed.rendezvous("save()", _EVERY_RANK)
         if format == "native":
             return self.backend.save_native(path, state, **kwargs)
         if format != "portable":
@@ -481,6 +491,7 @@ class Accelerator:
         """Fill the objects in ``state`` in place from a checkpoint; return what was not consumed.
 
         ``format="native"``: read what ``save(..., format="native")`` wrote."""
+        distributed.rendezvous("load()", _EVERY_RANK)
         if format == "native":
             return self.backend.load_native(path, state, strict=strict, **kwargs)
         if format != "portable":
@@ -547,6 +558,13 @@ class Accelerator:
         from accelkit.tracking import log_metrics
 
         log_metrics(self, metrics, step)
+
+    def main_process_first(self, *, local: bool = False, timeout_s: float | None = None) -> Any:
+        """Context: the block runs on the main process (``local=True``: each node's) first, then
+        on the others, which wait without a collective; collectives inside raise at once."""
+        from accelkit.launcher import main_process_first
+
+        return main_process_first(self, local=local, timeout_s=timeout_s)
 
     def end_training(self) -> None:
         """Close the trackers and give the stop signals back to their former handlers."""

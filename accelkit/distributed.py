@@ -4,12 +4,14 @@ the same with one process or many."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
 import re
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -129,9 +131,144 @@ def _leave_group_at_exit() -> None:
     time.sleep(_GLOO_DRAIN_S)
 
 
+# ---- hangs: name the cause instead of waiting forever ----------------------------------------------
+#: set while this rank runs a ``main_process_first`` body, where the ranks are not in step, so a
+#: collective would pair with whatever the other ranks do next (accelerate #3709)
+_UNSYNCED: list[str] = []
+#: calls of each name through :func:`rendezvous` on this rank (ranks count alike)
+_ARRIVALS: dict[str, int] = {}
+#: where a rank that gave up leaves its reason for the others (read when their collective fails)
+ABORT_KEY = "accelkit/abort"
+
+_CAUSES = (
+    "not every rank called it (a collective under `if accel.is_main:` or a rank-dependent "
+    "branch), or another rank stopped, stalled or died"
+)
+
+
+def _multi() -> bool:
+    return is_initialized() and dist.get_world_size() > 1
+
+
+def _store() -> Any:
+    """The default group's key-value store (a TCPStore under torchrun, srun and accelkit)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def group_timeout_s() -> float:
+    """The default group's timeout (its store was built with it)."""
+    try:
+        return _store().timeout.total_seconds()
+    except Exception:  # a group without a store: torch's default
+        return DEFAULT_TIMEOUT_S
+
+
+@contextlib.contextmanager
+def unsynced(what: str) -> Iterator[None]:
+    """Mark a region where this rank runs alone; accelkit's collectives refuse to run in it."""
+    _UNSYNCED.append(what)
+    try:
+        yield
+    finally:
+        _UNSYNCED.pop()
+
+
+def refuse_unsynced(call: str) -> None:
+    """Fail at once where a collective would deadlock: inside a ``main_process_first`` body."""
+    if _UNSYNCED:
+        from accelkit.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{call} needs every rank at the same time, but this rank is inside "
+            f"{_UNSYNCED[-1]}, which the ranks enter one after another: it would wait for the "
+            "others forever (accelerate #3709). Call it after the `with` block; keep only "
+            "per-process work (downloads, dataset preprocessing, reading files) inside."
+        )
+
+
+def post_abort(reason: str) -> None:
+    """Leave ``reason`` in the store for the ranks whose collectives fail because of it."""
+    if not _multi():
+        return
+    try:
+        store = _store()
+        if not store.check([ABORT_KEY]):
+            store.set(ABORT_KEY, f"rank {dist.get_rank()}: {reason}")
+    except Exception:  # the store may be gone with rank 0
+        log.debug("could not post the abort reason", exc_info=True)
+
+
+def _posted_abort() -> str | None:
+    try:
+        store = _store()
+        if store.check([ABORT_KEY]):
+            return store.get(ABORT_KEY).decode(errors="replace")
+    except Exception:
+        return None
+    return None
+
+
+def rendezvous(what: str, hint: str = "") -> None:
+    """Check, through the store and without a collective, that every rank reached ``what``.
+
+    Each rank counts its calls of ``what`` and waits, up to the group's timeout, until every rank
+    has made the same call; otherwise it raises :class:`~accelkit.errors.DistributedError`
+    naming the ranks that did not come. A collective could not name them: it pairs with whatever
+    collective the missing ranks run instead, and at best times out saying nothing.
+    """
+    if not _multi():
+        return
+    from accelkit.errors import DistributedError
+
+    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    count = _ARRIVALS[what] = _ARRIVALS.get(what, 0) + 1
+    keys = [f"accelkit/arrive/{what}/{count}/{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+    timeout = group_timeout_s()
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as err:
+        try:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        except Exception:  # rank 0, which holds the store, is gone
+            missing = None
+        who = "rank 0 (which holds the store)" if missing is None else f"rank(s) {missing}"
+        message = (
+            f"rank {rank}: {what} (call {count} on this rank) is collective, and {who} did not "
+            f"reach it within the process group's timeout of {timeout:.0f} s. {hint}".strip()
+        )
+        post_abort(message)
+        raise DistributedError(message) from err
+    if rank == 0 and count > 1:  # every rank is past the previous call: its keys can go
+        for r in range(world):
+            with contextlib.suppress(Exception):
+                store.delete_key(f"accelkit/arrive/{what}/{count - 1}/{r}")
+
+
+def _collective(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a torch collective; a failure becomes an error that says which one and why."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as err:  # DistBackendError, gloo's timeouts, a peer's closed connection
+        from accelkit.errors import DistributedError
+
+        rank = dist.get_rank()
+        posted = _posted_abort()
+        message = (
+            f"rank {rank}: {name} failed ({type(err).__name__}: {str(err).strip()[:300]}). "
+            f"It is a collective (process group timeout {group_timeout_s():.0f} s): {_CAUSES}."
+        )
+        if posted:
+            message += f" Another rank gave up first: {posted}"
+        raise DistributedError(message) from err
+
+
 def barrier() -> None:
-    if is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    refuse_unsynced("barrier")
+    if _multi():
+        _collective("barrier", dist.barrier)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -139,35 +276,39 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in (*ops, "mean"):
         raise ValueError(f"all_reduce op must be one of sum, mean, max, min, got {op!r}")
+    refuse_unsynced("all_reduce")
     out = tensor.clone()
-    if not is_initialized() or dist.get_world_size() == 1:
+    if not _multi():
         return out
-    dist.all_reduce(out, op=ops.get(op, dist.ReduceOp.SUM))
+    _collective("all_reduce", dist.all_reduce, out, op=ops.get(op, dist.ReduceOp.SUM))
     if op == "mean":
         out = out / dist.get_world_size()
     return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    if not is_initialized() or dist.get_world_size() == 1:
+    refuse_unsynced("broadcast_object")
+    if not _multi():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    _collective("broadcast", dist.broadcast_object_list, box, src=src)
     return box[0]
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    if not is_initialized() or dist.get_world_size() == 1:
+    refuse_unsynced("all_gather_object")
+    if not _multi():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    _collective("all_gather_object", dist.all_gather_object, out, obj)
     return out
 
 
 def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     """Gather same-shaped tensors from every rank, stacked on a new first dimension."""
-    if not is_initialized() or dist.get_world_size() == 1:
+    refuse_unsynced("all_gather")
+    if not _multi():
         return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
+    _collective("all_gather", dist.all_gather, parts, tensor.contiguous())
     return torch.stack(parts)

@@ -30,3 +30,7 @@ class UnsupportedError(AccelkitError, RuntimeError):
 
 class CheckpointError(AccelkitError, RuntimeError):
     """A checkpoint is missing, incomplete, tampered with, or does not fit the target."""
+
+
+class DistributedError(AccelkitError, RuntimeError):
+    """A collective could not complete: a rank skipped it, stalled, or died."""
