@@ -88,6 +88,8 @@ def train(
     options: dict[str, Any] | None = None,
     skew_step: bool = False,
     set_scale: float | None = None,
+    constant_lr: bool = False,
+    resume_step: int | None = None,
 ) -> dict[str, Any]:
     accel = _accelerator(backend, stage, precision, config, options or {})
     rank, world = accel.rank, accel.world_size
@@ -97,8 +99,9 @@ def train(
         [p for p in model.parameters() if p.requires_grad], lr=0.02, weight_decay=0.01
     )
     model, opt = accel.setup(model, opt)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if not constant_lr:  # dsk_rawckpt's raw DeepSpeed run keeps its learning rate constant
+        state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
     result: dict[str, Any] = {"losses": [], "world": world}
     engine = getattr(accel.backend, "engine", None)
     if engine is not None:  # which of DeepSpeed's optimizer wrappers this run exercises
@@ -118,14 +121,16 @@ def train(
 
     step = 0
     if load_from:
-        subset = {k: state[k] for k in (*load_keys, "step")}
+        # resume_step: the checkpoint holds no step counter (raw DeepSpeed's): the job knows it
+        keys = (*load_keys, *(("step",) if resume_step is None else ()))
+        subset = {k: state[k] for k in keys if k in state}
         trust = {"trust_pickle": True} if load_format == "native" else {}
         try:
             accel.load(load_from, subset, strict=strict, format=load_format, **trust)
         except Exception as err:  # the test asserts on the type and message
             result["error"] = f"{type(err).__name__}: {err}"
             return result
-        step = subset["step"]
+        step = subset["step"] if resume_step is None else resume_step
         result["loaded"] = _gather(accel, model, opt)
         result["lr_after_load"] = opt.param_groups[0]["lr"]
     if save_at == step and save_to:
@@ -236,6 +241,10 @@ def jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
                 results[name] = tamper(**job)
             elif kind == "convert":
                 results[name] = convert(**job)
+            elif kind == "rawds":  # written by raw DeepSpeed, no accelkit
+                import dsk_rawckpt
+
+                results[name] = dsk_rawckpt.train_and_save(**job)
         except Exception:
             results[name] = {"crash": traceback.format_exc()[-3000:]}
     return results

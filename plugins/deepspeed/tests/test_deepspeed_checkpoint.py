@@ -46,6 +46,8 @@ BF16 = "bf16-true"
 OFFLOAD_OPTIMIZER = {"offload_optimizer": "cpu"}
 FP32_ACCUMULATION = {"data_types": {"grad_accum_dtype": "fp32"}}
 OFFLOAD_BOTH = {"offload_optimizer": "cpu", "offload_param": "cpu"}
+#: resuming dsk_rawckpt's raw DeepSpeed run: constant learning rate, saved after step 3
+RAW_RESUME = {"constant_lr": True, "resume_step": 3, "load_keys": ("model", "optimizer")}
 
 
 def _cpu_fp16() -> bool:
@@ -169,6 +171,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 how="missing_deepspeed_rank",
             ),
             dict(job="convert", source=at("native3-"), target=at("converted3-")),
+            # written by raw DeepSpeed (dsk_rawckpt.py, no accelkit; constant learning rate, no
+            # step counter in the checkpoint), converted, resumed by accelkit
+            dict(job="rawds", name="raw2", stage=2, save_to=at("raw2")),
+            dict(job="rawds", name="raw3", stage=3, save_to=at("raw3")),
+            dict(job="convert", source=at("raw2"), target=at("rawconv2")),
+            dict(job="convert", source=at("raw3"), target=at("rawconv3")),
+            load("ddp<-rawconv2", "rawconv2", backend="ddp", **RAW_RESUME),
+            load("z1f<-rawconv3", "rawconv3", stage=1, **RAW_RESUME),
+            load("z3f<-rawconv2", "rawconv2", stage=3, **RAW_RESUME),
+            dict(job="tamper", source=at("raw2"), target=at("raw2-"), how="missing_deepspeed_rank"),
+            dict(job="convert", source=at("raw2-"), target=at("rawconv2-")),
         ],
     )
     # 1 process: resume 2-rank DeepSpeed checkpoints at world size 1
@@ -179,6 +192,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             load("cpu<-z3f", "z3f", backend="cpu"),
             load("z2x1<-z3", "z3", stage=2, precision=BF16),
             load("cpu<-converted", "converted", backend="cpu"),
+            load("cpu<-rawconv2", "rawconv2", backend="cpu", **RAW_RESUME),
+            load("cpu<-rawconv3", "rawconv3", backend="cpu", **RAW_RESUME),
         ],
     )
     results["base"] = str(base)
@@ -383,3 +398,35 @@ def test_a_raw_zero3_checkpoint_converts_with_its_optimizer_state(runs):
     broken = runs["convert:" + str(base / "converted3-")]
     assert broken["code"] == 1 and "a rank's file is missing" in broken["stderr"], broken
     assert not (base / "converted3-").exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "source"),
+    [
+        ("ddp<-rawconv2", "raw2"),
+        ("z1f<-rawconv3", "raw3"),
+        ("z3f<-rawconv2", "raw2"),
+        ("cpu<-rawconv2", "raw2"),
+        ("cpu<-rawconv3", "raw3"),
+    ],
+)
+def test_a_checkpoint_written_by_raw_deepspeed_converts_and_resumes(runs, target, source):
+    """``accelkit convert --trust-pickle`` of a directory raw DeepSpeed's ``save_checkpoint``
+    wrote (2 ranks, ZeRO-2 and ZeRO-3, fp32): the fp32 weights and Adam state arrive bit for bit
+    in ddp x2, ZeRO-1/3 x2 and cpu x1 (each side gathered through its own independent path), and
+    the resumed loss curve follows raw DeepSpeed's uninterrupted one."""
+    base = Path(runs["base"])
+    wrappers = {"raw2": "DeepSpeedZeroOptimizer", "raw3": "DeepSpeedZeroOptimizer_Stage3"}
+    assert ok(runs, source)["wrapper"] == wrappers[source]
+    converted = "rawconv" + source[-1]
+    assert runs["convert:" + str(base / converted)]["code"] == 0
+    assert_transfer(runs, target, source)
+    assert worst(runs[target]["losses"], runs[source]["losses"][3:]) <= LOSS_RTOL
+
+
+def test_a_raw_deepspeed_checkpoint_missing_a_rank_file_is_refused(runs):
+    """The negative twin: raw DeepSpeed's ZeRO-2 checkpoint without rank 1's optimizer file."""
+    base = Path(runs["base"])
+    broken = runs["convert:" + str(base / "rawconv2-")]
+    assert broken["code"] == 1 and "a rank's file is missing" in broken["stderr"], broken
+    assert not (base / "rawconv2-").exists()

@@ -252,3 +252,22 @@ def test_built_config_settings_and_defaults():
     assert _build(client_optimizer=False).get("zero_force_ds_cpu_optimizer") is None
     assert _build()["zero_optimization"]["stage"] == dsconfig.DEFAULT_STAGE == 2
     assert _build(config={"optimizer": {"type": "AdamW"}})["zero_optimization"]["stage"] == 0
+
+
+@pytest.mark.parametrize("reference", ["dsk_reference.py", "dsk_gather.py", "dsk_rawckpt.py"])
+def test_the_references_import_nothing_from_accelkit(reference):
+    """Raw DeepSpeed / raw PyTorch references and the independent gathers stay independent."""
+    import ast
+    from pathlib import Path
+
+    source = Path(__file__).with_name(reference).read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert "torch" in imported  # the walk sees imports at all
+    assert not any(name.split(".")[0] in ("accelkit", "accelkit_deepspeed") for name in imported)
+    # nor a test helper that does (dsk_gather is the only sibling they may use)
+    assert not imported & {"dsk_accel", "dsk_ckpt", "dsk_checks", "dsk_worker"}, imported
