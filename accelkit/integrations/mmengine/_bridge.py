@@ -112,12 +112,44 @@ class Bridge:
         return AccelkitModelWrapper(accelerator=accel, model=wrapped)
 
     # ---- checkpoints --------------------------------------------------------------------------
+    def partitions_parameters(self, model: torch.nn.Module) -> bool:
+        """Whether a rank holds only part of some parameter: FSDP's DTensors, ZeRO-3's
+        partitions, flat or emptied parameters. DDP, DeepSpeed ZeRO-1/2, FairScale OSS/SDP and
+        ColossalAI's ZeRO-1/2 shard optimizer state (and gradients) only: every rank holds
+        the whole model, so its ``state_dict()`` is the full weights without a gather."""
+        if not self.accel.capabilities.sharded:
+            return False
+        for param in self.accel.unwrap(model).parameters():
+            if hasattr(param, "to_local") or hasattr(param, "ds_id") or param.numel() == 0:
+                return True
+            if type(param).__name__ == "FlatParameter":
+                return True
+        return False
+
     def hook_view(self, model: AccelkitModelWrapper) -> dict[str, torch.Tensor] | None:
         """``checkpoint['state_dict']`` as MMEngine's hooks expect to see it (EMAHook swaps its
-        entries), or None on sharded backends, where it would be a gather of the whole model."""
-        if self.accel.capabilities.sharded:
+        entries), or None where the backend partitions parameters, where it would be a gather
+        of the whole model."""
+        if self.partitions_parameters(model.wrapped):
             return None
         return dict(self.accel.unwrap(model.wrapped).state_dict())
+
+    def check_hooks(self, hooks: list[Any], model: AccelkitModelWrapper) -> None:
+        """Refuse, before training, the hooks that cannot work on this backend.
+
+        MMEngine's EMAHook deep-copies the model and averages its parameters in place: where a
+        rank holds only partitions of them (fsdp, DeepSpeed ZeRO-3) it fails deep in the run
+        (FSDP refuses the deepcopy; ZeRO-3 averages empty partitions)."""
+        from mmengine.hooks import EMAHook
+
+        ema = [type(h).__name__ for h in hooks if isinstance(h, EMAHook)]
+        if ema and self.partitions_parameters(model.wrapped):
+            raise UnsupportedError(
+                f"{ema[0]} cannot run on backend {self.accel.name!r}, which partitions the "
+                "model's parameters across ranks (it averages and swaps whole parameters); it "
+                "works on backends that keep the whole model on every rank (cpu, cuda, ddp, "
+                "DeepSpeed ZeRO-1/2, fairscale_oss/sdp, colossalai_ddp/zero)"
+            )
 
     @staticmethod
     def call_save_hooks(call: Any, checkpoint: dict[str, Any]) -> None:
@@ -213,6 +245,19 @@ class Bridge:
             state = {"state_dict": state}
         if before_model is not None:
             before_model(state)
+        if self.accel.capabilities.sharded:
+            # weights and optimizer state through a temporary portable checkpoint: each rank
+            # takes its own ranges, and the backend refreshes its masters and partitions
+            optimizer_state = state.pop("optimizer", None) if optim_wrapper is not None else None
+            ckpt.load_full_state_dict(
+                self.accel,
+                model.wrapped,
+                ckpt.revise_state_dict(dict(state.pop("state_dict")), revise_keys),
+                strict=strict,
+                optimizer=None if optimizer_state is None else optim_wrapper.optimizer,
+                optimizer_state=optimizer_state,
+            )
+            return state
         ckpt.load_state_dict_into(
             self.accel,
             model.wrapped,

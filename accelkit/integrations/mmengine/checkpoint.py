@@ -285,14 +285,75 @@ def load_state_dict_into(
     strict: bool,
     revise_keys: list[tuple[str, str]],
 ) -> None:
-    """Load a full (unsharded) state dict into the model set up by ``accel``."""
+    """Load a full (unsharded) state dict into the model set up by ``accel``.
+
+    On a backend that does not shard, MMEngine's own ``load_state_dict`` does it (its messages
+    about missing and unexpected keys included); on a sharded one (FSDP, DeepSpeed ZeRO, ...)
+    :func:`load_full_state_dict`.
+    """
     from mmengine.runner.checkpoint import load_state_dict
 
-    if accel.capabilities.sharded:
-        raise CheckpointError(
-            f"backend {accel.name!r} shards the model, so a plain state dict cannot be loaded "
-            "into it directly; convert it first: `accelkit convert model.pth ckpt/` and "
-            "load_from the portable checkpoint"
-        )
     state_dict = revise_state_dict(dict(state_dict), revise_keys)
+    if accel.capabilities.sharded:
+        load_full_state_dict(accel, model, state_dict, strict=strict)
+        return
     load_state_dict(accel.unwrap(model), state_dict, strict=strict)
+
+
+def load_full_state_dict(
+    accel: Accelerator,
+    model: torch.nn.Module,
+    state_dict: dict[str, Any],
+    *,
+    strict: bool,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state: dict[str, Any] | None = None,
+) -> None:
+    """Load a whole-model state dict (and a torch optimizer's state dict) into a model and
+    optimizer that ``accel``'s backend shards.
+
+    Every rank holds the whole state dict already (it read the ``.pth``); each writes it as a
+    world-size-1 portable checkpoint into a temporary directory of its own (local disk, no shared
+    filesystem needed; it takes the model's size in disk space for the duration of the load),
+    then ``accel.load`` fills the model (and optimizer) from it, each rank taking its own ranges.
+    With ``strict=False`` mismatched names are reported and skipped, as MMEngine's ``load_from``
+    does. The optimizer's integer parameter ids are named by matching the state dict's
+    parameters in order (unique matches only, as ``accelkit convert`` does).
+    """
+    import tempfile
+
+    from accelkit.checkpoint.convert import (
+        Imported,
+        _positional_names,
+        optimizer_import,
+        write_portable,
+    )
+    from accelkit.checkpoint.fqn import canonical_fqn
+
+    tensors: dict[tuple[str, str, str], Any] = {
+        ("model", "param", canonical_fqn(name, strip_module_prefix=True)): value
+        for name, value in state_dict.items()
+        if isinstance(value, torch.Tensor)
+    }
+    if not tensors:
+        raise CheckpointError("the checkpoint's state_dict holds no tensors")
+    objects: dict[str, dict[str, Any]] = {"model": {"type": "module", "class": "(imported)"}}
+    state: dict[str, Any] = {"model": model}
+    if optimizer is not None and optimizer_state is not None:
+        names = None
+        ids = [p for group in optimizer_state["param_groups"] for p in group["params"]]
+        if any(isinstance(p, int) for p in ids):
+            plain = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+            names = _positional_names(plain, optimizer_state)
+            if names is None:
+                raise CheckpointError(
+                    "the checkpoint's optimizer state cannot be matched to the model's "
+                    "parameters unambiguously (its parameter ids are positions); resume with "
+                    "resume_optimizer=False, or load_from it without resume"
+                )
+        objects["optimizer"] = optimizer_import("optimizer", optimizer_state, names, tensors)
+        state["optimizer"] = optimizer
+    imported = Imported(tensors, objects, {}, "import:mmengine")
+    with tempfile.TemporaryDirectory(prefix="accelkit-load-from-") as tmp:
+        path = write_portable(imported, os.path.join(tmp, "checkpoint"), progress=False)
+        accel.load(path, state, strict=strict, rng=False)

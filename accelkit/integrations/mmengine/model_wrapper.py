@@ -64,11 +64,14 @@ class AccelkitModelWrapper:
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
         if self._unwrapped:
             return self.module.train_step(data, optim_wrapper=optim_wrapper)
+        # backward inside the window's context too (MMEngine's DDP wrapper leaves it outside):
+        # backends that decide on gradient sync in backward hooks (FairScale's
+        # ShardedDataParallel) need it there, and torch DDP decides in forward either way
         with optim_wrapper.optim_context(self.wrapped):
             data = self.module.data_preprocessor(data, True)
             losses = _run_forward(self.wrapped, data, mode="loss")
-        parsed_loss, log_vars = self.module.parse_losses(losses)
-        optim_wrapper.update_params(parsed_loss)
+            parsed_loss, log_vars = self.module.parse_losses(losses)
+            optim_wrapper.update_params(parsed_loss)
         return log_vars
 
     def val_step(self, data: Any) -> list:

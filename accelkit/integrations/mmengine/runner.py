@@ -105,6 +105,7 @@ class AccelkitRunner(Runner):
             return
         self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
         self.model = self._bridge.setup(self.model, optim_wrapper)
+        self._bridge.check_hooks(self._hooks, self.model)  # before before_run builds EMAHook's copy
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
         if isinstance(optim_wrapper, AccelkitOptimWrapper):

@@ -248,6 +248,15 @@ class DeepSpeedBackend(Backend):
                 f"{self.name}: the DeepSpeed config names an optimizer and setup() got one too. "
                 "Drop the config's 'optimizer' section, or call setup(model) alone to use it."
             )
+        if (
+            not optimizers
+            and self.stage in (1, 2)
+            and not dsconfig._is_set(config.get("optimizer"))
+        ):
+            # evaluation only (MMEngine's val/test): ZeRO-1/2 partition optimizer state and
+            # gradients, of which there are none, and DeepSpeed refuses these stages without an
+            # optimizer; the replicated model is the same at stage 0
+            config = {**config, "zero_optimization": {**config["zero_optimization"], "stage": 0}}
         zero_init.release(model)
         if self._micro_batch is None and "train_micro_batch_size_per_gpu" not in (
             self.options.ds_config or {}
@@ -268,7 +277,9 @@ class DeepSpeedBackend(Backend):
         # managed_gradient_accumulation=false (DeepSpeed >= 0.19): step() is the boundary itself
         managed = getattr(engine, "managed_gradient_accumulation", None)
         self._managed = managed is None or bool(managed())
-        opts = [] if optimizer is None else [engine.optimizer]
+        # ZeRO-3 without an optimizer returns its parameter coordinator as the "optimizer"
+        trains = bool(optimizers) or dsconfig._is_set(config.get("optimizer"))
+        opts = [engine.optimizer] if trains and optimizer is not None else []
         return SetupResult(engine, opts)
 
     # ---- the loop -----------------------------------------------------------------------------
