@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from accelkit import distributed
-from accelkit.backend import Backend, Capabilities, SetupResult
+from accelkit.backend import Backend, Capabilities, SetupResult, StepResult
 from accelkit.backends.single import device_available
 from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.modules import select_blocks
@@ -382,6 +382,42 @@ class FairScaleFSDPBackend(Backend):
             raise UnsupportedError("fairscale_fsdp: cannot tell which model this optimizer trains")
         limit = float("inf") if max_norm is None else max_norm
         return root.clip_grad_norm_(limit)
+
+    def _grads_in_param_dtype(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under FairScale's own mixed precision, give every gradient its parameter's dtype.
+
+        At world size > 1 FairScale casts the reduce-scattered gradient shard to fp32. At world
+        size 1 (no reduce-scatter) 0.4.13 casts only a ``.data`` alias in ``_post_reduction_hook``
+        and leaves ``p.grad`` in fp16, so ``AdamW.step()`` fails ("expected dtype float for
+        `end` but got dtype c10::Half", measured on the H200 and on the CPU shim). Cast it here,
+        which is what FairScale does at world size > 1.
+        """
+        if not getattr(self.precision, "native", False):
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and grad.dtype != param.dtype:
+                    param.grad = grad.to(param.dtype)
+
+    def clip_grad_norm(
+        self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, max_norm: float
+    ) -> torch.Tensor:
+        self._grads_in_param_dtype(optimizer)
+        return super().clip_grad_norm(model, optimizer, max_norm)
+
+    def optimizer_step(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        *,
+        max_grad_norm: float | None,
+        track_grad_norm: bool,
+    ) -> StepResult:
+        self._grads_in_param_dtype(optimizer)
+        return super().optimizer_step(
+            model, optimizer, max_grad_norm=max_grad_norm, track_grad_norm=track_grad_norm
+        )
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module (its selected blocks are now nested FSDP units)."""

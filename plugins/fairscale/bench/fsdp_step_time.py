@@ -61,6 +61,11 @@ def raw_runner(precision: str):
         loss = F.mse_loss(model(x).float(), y)
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
+            # FairScale 0.4.13 at world size 1 leaves mixed-precision gradients in fp16, which
+            # AdamW refuses; cast them as FairScale does at world size > 1 (accelkit does too)
+            for p in model.parameters():
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    p.grad = p.grad.to(p.dtype)
             scaler.unscale_(opt)
         model.clip_grad_norm_(1.0)
         if scaler:

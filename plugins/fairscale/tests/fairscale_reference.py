@@ -185,6 +185,15 @@ def train(
             if not closes:
                 continue
             micro = 0
+            if fsdp_casts and cfg.get("grad_cast", True):
+                # FairScale 0.4.13 at world size 1 leaves mixed-precision gradients in fp16 (its
+                # _post_reduction_hook casts a temporary .data alias; at world size > 1 the
+                # reduce-scattered shard is cast to fp32). AdamW then refuses them, so a raw
+                # user casts them as FairScale does at world size > 1.
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None and p.grad.dtype != p.dtype:
+                            p.grad = p.grad.to(p.dtype)
             if scaler is not None:
                 scaler.unscale_(optimizer)
             if max_norm is not None or cfg.get("track_norm"):
@@ -201,10 +210,17 @@ def train(
     return {"losses": losses, "norms": norms, "params": _full_params(mode, wrapped)}
 
 
-def suite(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Several runs in one launch (each rebuilds its model from the same seed)."""
+def suite(runs: dict[str, dict[str, Any]], catch: bool = False) -> dict[str, Any]:
+    """Several runs in one launch (each rebuilds its model from the same seed). With ``catch``,
+    a run that raises is reported as ``{"error": ...}`` instead of failing the launch."""
     results = {}
     for name, kwargs in runs.items():
-        results[name] = train(**kwargs)
+        if not catch:
+            results[name] = train(**kwargs)
+            continue
+        try:
+            results[name] = train(**kwargs)
+        except Exception as err:
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
     results["_rank"] = int(os.environ.get("RANK", "0"))
     return results

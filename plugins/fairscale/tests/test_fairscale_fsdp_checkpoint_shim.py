@@ -29,9 +29,11 @@ TOTAL, SAVE_AT = 10, 6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fairscale-fsdp-ckpt")
-    ck = {name: str(root / name) for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2")}
+    names = ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2", "fsdp_w1_16")
+    ck = {name: str(root / name) for name in names}
     common = dict(total=TOTAL, save_at=SAVE_AT)
     shim = dict(backend="fairscale_fsdp", shim=True)
+    shim16 = dict(shim, options={"precision": "16-mixed"})
     two = run_ranks(
         "fs_workers:ckpt_jobs",
         {
@@ -58,6 +60,21 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                     name="fsdp_w1<-fsdp_w1", batch=4, total=TOTAL, load_from=ck["fsdp_w1"], **shim
                 ),
                 dict(name="cpu<-fsdp", backend="cpu", batch=4, total=TOTAL, load_from=ck["fsdp"]),
+                dict(name="fsdp_w1_16", batch=4, save_to=ck["fsdp_w1_16"], **shim16, **common),
+                dict(
+                    name="fsdp_w1_16<-fsdp_w1_16",
+                    batch=4,
+                    total=TOTAL,
+                    load_from=ck["fsdp_w1_16"],
+                    **shim16,
+                ),
+                dict(
+                    name="cpu<-fsdp_w1_16",
+                    backend="cpu",
+                    batch=4,
+                    total=TOTAL,
+                    load_from=ck["fsdp_w1_16"],
+                ),
             ]
         },
         nproc=1,
@@ -107,14 +124,17 @@ def _losses(job: dict[str, Any]) -> dict[int, float]:
 
 
 def test_sources_trained_shim(runs):
-    for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2"):
+    for name in ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2", "fsdp_w1_16"):
         assert sorted(_losses(_job(runs, name))) == list(range(TOTAL))
 
 
-@pytest.mark.parametrize("name", ["fsdp<-fsdp", "fsdp_w1<-fsdp_w1", "fsdp16<-fsdp16"])
+@pytest.mark.parametrize(
+    "name", ["fsdp<-fsdp", "fsdp_w1<-fsdp_w1", "fsdp16<-fsdp16", "fsdp_w1_16<-fsdp_w1_16"]
+)
 def test_same_backend_resume_is_bit_exact_shim(runs, name):
     """At world size 2, at world size 1 (FairScale's own optimizer gather fails there), and in
-    16-mixed (fp32 master shards, and the loss scaler's state, travel)."""
+    16-mixed at both (fp32 master shards, and the loss scaler's state, travel; at world size 1
+    FairScale leaves the gradients in fp16 and accelkit casts them before the step)."""
     resumed, original = _job(runs, name), _job(runs, name.split("<-")[1])
     assert resumed["after_load"] == original["at_save"]
     tail = {k: v for k, v in _losses(original).items() if k >= SAVE_AT}
@@ -130,6 +150,7 @@ def test_same_backend_resume_is_bit_exact_shim(runs, name):
         "cpu<-fsdp",
         "fsdp_not_flat<-fsdp",
         "ddp<-fsdp16",
+        "cpu<-fsdp_w1_16",
         "fsdp2<-fsdp",
         "fsdp<-fsdp2",
     ],

@@ -127,3 +127,63 @@ def test_accumulation_counts_and_clipping_shim(raw, accel):
     assert max(compare(run, raw["ddp"]).values()) <= DDP_RTOL
     # the opt-in no_sync path is a different computation order, not a different result
     assert max(compare(run, raw["fsdp_no_sync"]).values()) <= DDP_RTOL
+
+
+# ---- world size 1 with FairScale's own fp16 mixed precision ------------------------------------
+W1_FP16 = dict(mode="fsdp", precision="16-mixed", **COMMON)
+W1_FP16_CFG = {**SHIM, "no_sync": False, "fsdp_mixed": True}
+
+
+@pytest.fixture(scope="module")
+def world1() -> dict[str, Any]:
+    raw = run_ranks(
+        "fairscale_reference:suite",
+        {
+            "runs": {
+                "fp16": dict(cfg=W1_FP16_CFG, **W1_FP16),
+                # FairScale as it is: no cast of the gradients before the optimizer step
+                "fp16_uncast": dict(cfg={**W1_FP16_CFG, "grad_cast": False}, **W1_FP16),
+            },
+            "catch": True,
+        },
+        nproc=1,
+    )[0]
+    accel = run_ranks(
+        "fs_workers:suite",
+        {
+            "runs": {
+                "fp16": dict(backend="fairscale_fsdp", shim=True, precision="16-mixed", **COMMON),
+                "fp16_skip_sync": dict(
+                    backend="fairscale_fsdp",
+                    shim=True,
+                    precision="16-mixed",
+                    options={"skip_sync_in_accumulation": True},
+                    **COMMON,
+                ),
+            }
+        },
+        nproc=1,
+    )[0]
+    return {"raw": raw, "accel": accel}
+
+
+def test_fairscale_leaves_fp16_grads_at_world_size_1_shim(world1):
+    """The premise (negative twin): FairScale 0.4.13's FSDP at world size 1 leaves the
+    mixed-precision gradients in fp16, and AdamW refuses them. Seen the same way on the H200
+    (bench/results/2026-12-02-h200-call2/gpu-tests.log)."""
+    error = world1["raw"]["fp16_uncast"].get("error", "")
+    assert "expected dtype float for `end` but got dtype c10::Half" in error, error
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp16_skip_sync"])
+def test_world_size_1_fp16_trains_like_raw_fairscale_shim(world1, name):
+    """accelkit casts the gradients to the flat parameters' fp32 before unscaling (as FairScale
+    does at world size > 1); the raw reference does the same by hand. With no_sync the window's
+    gradients accumulate in fp16 before the cast: measured equal to the synced run too."""
+    run = world1["accel"][name]
+    assert "error" not in run, run.get("error")
+    assert run["applied_steps"] == 5 * EPOCHS  # 14 micro-batches per epoch: 3, 3, 3, 3, 2
+    assert run["norms"][0] == float("inf")  # the first step overflows (scale 2**16)
+    diffs = compare(run, world1["raw"]["fp16"])
+    print(name, "world 1 vs raw", diffs)
+    assert max(diffs.values()) <= SAME_RTOL, diffs
