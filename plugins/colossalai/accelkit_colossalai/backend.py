@@ -624,6 +624,8 @@ class ColossalHybridBackend(ColossalAIBackend):
             type(self).capabilities,
             no_sync=zero != 2,
             sharded=zero > 0 or self.options.tp_size > 1,
+            # tensor-parallel layouts are refused by the portable checkpoint (checkpoint.py)
+            portable_checkpoint=self.options.tp_size == 1,
         )
 
     def check_device(self, device: torch.device) -> None:

@@ -124,10 +124,40 @@ def trains(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ---- checkpoints --------------------------------------------------------------------------
+def _deepspeed_state(engine: Any) -> dict[str, Any]:
+    """DeepSpeed's own full views: ``safe_get_full_fp32_param`` (the fp32 master) and
+    ``safe_get_full_optimizer_state`` per parameter, and the base optimizer's ``step``."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    wrapper = engine.optimizer
+    base = getattr(wrapper, "optimizer", wrapper)
+    has_state = any(bool(s) for s in base.state.values())  # the same on every rank
+    if has_state and getattr(wrapper, "_hp_optimizer_states_linked", True) is False:
+        # ZeRO-1/2 link their per-parameter optimizer views at the first step; link them now
+        wrapper._lazy_init_hp_params_optimizer_state()
+    steps = sorted(
+        {float(s["step"]) for s in base.state.values() if isinstance(s, dict) and "step" in s}
+    )
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, list[float]] = {}
+    for name, p in engine.module.named_parameters():
+        params[name] = safe_get_full_fp32_param(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if has_state:  # a collective: every rank takes this branch or none does
+                value = safe_get_full_optimizer_state(p, key)
+                optim[f"{name}.{key}"] = value.detach().float().cpu().reshape(-1).tolist()
+        if steps:
+            optim[f"{name}.step"] = steps  # one per flat group in DeepSpeed
+    return {"params": _flat(params), "optim": optim}
+
+
 def _independent_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
     """Weights and optimizer state gathered WITHOUT accelkit's checkpoint code, keyed by
     parameter name: torch state dicts; torch's full state dicts for fsdp (FSDP2); ColossalAI's
-    own gathering ``optimizer.state_dict()`` for colossalai_zero and colossalai_gemini."""
+    own gathering ``optimizer.state_dict()`` for colossalai_zero and colossalai_gemini;
+    DeepSpeed's ``safe_get_full_*`` for the deepspeed backends."""
+    if accel.name.startswith("deepspeed"):
+        return _deepspeed_state(model)
     if accel.name == "fsdp":
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

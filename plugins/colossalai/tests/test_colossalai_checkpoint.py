@@ -268,3 +268,57 @@ def test_missing_rank_file_fails_the_load_naming_it(runs):
     for rank in (0, 1):
         error = by_name(runs, "missing", rank).get("error", "")
         assert "CheckpointError" in error and "rank-00001.safetensors" in error
+
+
+# ---- DeepSpeed (accelkit-deepspeed, ZeRO-2 on the CPU) both ways ---------------------------------
+@pytest.fixture(scope="module")
+def deepspeed_runs(runs) -> dict[str, Any]:
+    """DeepSpeed ZeRO-2 x2 saves and resumes from colossalai_zero x2's checkpoint; colossalai_zero
+    x2 resumes from DeepSpeed's. Each side's state is dumped by its own library's gather
+    (DeepSpeed's ``safe_get_full_*``, ColossalAI's ``optimizer.state_dict()``)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelkit_deepspeed")
+    root = runs["root"]
+    ds, zero = str(root / "ds"), str(root / "zero")
+    common = dict(total=TOTAL, save_at=SAVE_AT)
+    resume = dict(total=TOTAL, start=SAVE_AT)
+    return run_ranks(
+        "cai_workers:ckpt_jobs",
+        {
+            "jobs": [
+                dict(name="ds", backend="deepspeed_stage_2", save_to=ds, **common),
+                dict(name="ds<-zero", backend="deepspeed_stage_2", load_from=zero, **resume),
+                dict(
+                    name="zero<-ds",
+                    backend="colossalai_zero",
+                    options=ZERO,
+                    load_from=ds,
+                    **resume,
+                ),
+            ]
+        },
+        timeout=600,
+    )[0]
+
+
+@pytest.mark.parametrize("name,source", [("ds<-zero", "zero"), ("zero<-ds", "ds")])
+def test_deepspeed_exchanges_state_bit_for_bit(runs, deepspeed_runs, name, source):
+    resumed = deepspeed_runs[name]
+    original = deepspeed_runs[source] if source == "ds" else by_name(runs, source)
+    assert "error" not in resumed, resumed.get("error")
+    assert resumed["after_load"]["params"] == original["at_save"]["params"]
+    assert resumed["after_load"]["optim"] == original["at_save"]["optim"]
+    assert len(resumed["after_load"]["optim"]) == 3 * 6  # exp_avg, exp_avg_sq, step x 6 params
+
+
+@pytest.mark.parametrize("name,source", [("ds<-zero", "zero"), ("zero<-ds", "ds")])
+def test_deepspeed_loss_curve(runs, deepspeed_runs, name, source):
+    resumed = deepspeed_runs[name]
+    original = deepspeed_runs[source] if source == "ds" else by_name(runs, source)
+    worst = max(
+        abs(resumed["losses"][str(s)] - original["losses"][str(s)])
+        / abs(original["losses"][str(s)])
+        for s in range(SAVE_AT + 1, TOTAL + 1)
+    )
+    print(name, "max relative loss difference after the resume", worst)
+    assert worst <= LOSS_RTOL

@@ -102,6 +102,23 @@ def test_capabilities_follow_the_plugin():
     assert gemini["capabilities"]["init_context"] == "lazy"
 
 
+def test_hybrid_capabilities_follow_tp_and_zero():
+    """Built without launching: tp_size > 1 has no portable checkpoint (refused at save), ZeRO-2
+    has no no_sync."""
+    from accelkit_colossalai.backend import ColossalHybridBackend
+    from accelkit_colossalai.options import HybridOptions
+
+    from accelkit.backend import Settings
+
+    def caps(**options):
+        return ColossalHybridBackend("colossalai_hybrid", HybridOptions(**options), Settings())
+
+    tp2, tp1, zero2 = caps(tp_size=2).capabilities, caps().capabilities, caps(zero_stage=2)
+    assert tp2.portable_checkpoint is False and tp2.sharded is True
+    assert tp1.portable_checkpoint is True and tp1.no_sync is True and tp1.sharded is False
+    assert zero2.capabilities.no_sync is False and zero2.capabilities.portable_checkpoint is True
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
 def test_zero_on_one_process_trains_and_refuses_manual_clipping():
