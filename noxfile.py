@@ -67,6 +67,8 @@ def docs(session: nox.Session) -> None:
 def _plugin_session(name: str) -> None:
     def plugin_tests(session: nox.Session) -> None:
         _install(session, name)
+        if name == "colossalai":  # not a pip dependency (it pins torch<=2.5.1): its own recipe
+            session.run("bash", "plugins/colossalai/install_colossalai.sh", "python", external=True)
         session.run("python", "-m", "pytest", "-q", f"plugins/{name}", *session.posargs, env=_env())
 
     plugin_tests.__doc__ = f"The tests of plugins/{name} with only that plugin installed."
@@ -94,3 +96,24 @@ def gpu(session: nox.Session) -> None:
     )
     env = {**_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     session.run(python, "-m", "pytest", "-q", "-m", "gpu", *session.posargs, env=env)
+
+
+@nox.session(name="gpu-colossalai", venv_backend="none")
+def gpu_colossalai(session: nox.Session) -> None:
+    """The ColossalAI plugin's GPU tests, in the running interpreter, from wheels in
+    ``.whl/colossalai/`` (colossalai 0.5.0 and what its Booster imports: transformers 4.51.3,
+    peft 0.13.2, tokenizers, huggingface_hub, galore_torch, contexttimer, bitsandbytes; about
+    60 MB), installed ``--no-deps --no-index`` so the image's torch stays.
+    """
+    python = sys.executable
+    session.run(python, "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'")
+    wheels = sorted(str(p) for p in (ROOT / ".whl" / "colossalai").glob("*.whl"))
+    if not wheels:
+        session.error("no wheels in .whl/colossalai/ (see docs/backends/colossalai.md)")
+    pip = (python, "-m", "pip", "install", "-q", "--no-deps")
+    session.run(*pip, "--no-index", *wheels)
+    session.run(*pip, "--no-build-isolation", "-e", ".", "-e", "plugins/colossalai")
+    env = {**_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    session.run(
+        python, "-m", "pytest", "-q", "-m", "gpu", "plugins/colossalai", *session.posargs, env=env
+    )
