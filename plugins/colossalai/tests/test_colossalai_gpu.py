@@ -1,8 +1,9 @@
 """GPU runs of the ColossalAI backends (marked ``gpu``; skipped without CUDA). One process, one GPU.
 
 - Gemini (bf16-true, 16-true; accelkit swaps the torch Adam for a HybridAdam) and LowLevelZero
-  stage 1/2 (bf16-true, 16-true) against ColossalAI's Booster used directly with the same
-  settings: losses and weights expected equal, as measured on the CPU for the CPU-capable plugins.
+  stage 1 and 2, each in bf16-true and 16-true, against ColossalAI's Booster used directly with
+  the same settings: losses and weights expected equal, as measured on the CPU for the
+  CPU-capable plugins.
 - The portable checkpoint from Gemini (gathered: the fp32 master chunks and the optimizer state,
   marked ``"gathered": true``) into ``ddp`` and back, and LowLevelZero bf16 into ``ddp``.
 
@@ -47,6 +48,23 @@ RUNS = [
         "16-true",
         "booster_zero",
         {"stage": 2, "precision": "fp16"},
+    ),
+    # the other two of LowLevelZero's stage x precision matrix
+    (
+        "zero1_fp16",
+        "colossalai_zero",
+        {"stage": 1},
+        "16-true",
+        "booster_zero",
+        {"stage": 1, "precision": "fp16"},
+    ),
+    (
+        "zero2_bf16",
+        "colossalai_zero",
+        {"stage": 2},
+        "bf16-true",
+        "booster_zero",
+        {"stage": 2, "precision": "bf16"},
     ),
 ]
 
