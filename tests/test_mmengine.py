@@ -1044,3 +1044,55 @@ def test_import_accelkit_does_not_import_mmengine() -> None:
         "import accelkit.integrations.mmengine; assert 'mmengine' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class _Hub:
+    def update_info(self, key: str, value: object) -> None:
+        pass
+
+
+class _CrashingRunner:
+    """What CheckpointHook touches on a runner; its save writes the directory, or dies midway."""
+
+    def __init__(self, work_dir: Path, crash: bool) -> None:
+        self.work_dir, self.crash, self.message_hub = str(work_dir), crash, _Hub()
+
+    def save_checkpoint(self, out_dir: str, filename: str, *args: object, **kwargs: object) -> None:
+        if self.crash:
+            raise RuntimeError("killed during the save")
+        (Path(out_dir) / filename).mkdir()
+        (Path(out_dir) / filename / "accelkit.json").write_text("{}")
+
+
+def _rotate(hook_type: type, work: Path, crash: bool) -> list[str]:
+    import collections
+
+    from mmengine.fileio import get_file_backend
+
+    work.mkdir()
+    (work / "epoch_1.pth").mkdir()
+    (work / "epoch_1.pth" / "accelkit.json").write_text("{}")
+    hook = hook_type(interval=1, max_keep_ckpts=1)
+    hook.out_dir, hook.file_backend = str(work), get_file_backend(str(work))
+    hook.keep_ckpt_ids = collections.deque([1])
+    runner = _CrashingRunner(work, crash)
+    if crash:
+        with pytest.raises(RuntimeError, match="killed"):
+            hook._save_checkpoint_with_step(runner, 2, {})
+    else:
+        hook._save_checkpoint_with_step(runner, 2, {})
+    return sorted(p.name for p in work.glob("epoch_*"))
+
+
+def test_checkpoint_rotation_never_leaves_zero_checkpoints(tmp_path: Path) -> None:
+    """max_keep_ckpts=1 and a crash during the save: MMEngine's CheckpointHook has deleted the
+    only checkpoint already; AccelkitCheckpointHook deletes it only after the new one exists."""
+    from mmengine.hooks import CheckpointHook
+
+    from accelkit.integrations.mmengine import AccelkitCheckpointHook
+
+    assert _rotate(CheckpointHook, tmp_path / "mmengine", crash=True) == []  # the hazard
+    assert _rotate(AccelkitCheckpointHook, tmp_path / "crash", crash=True) == ["epoch_1.pth"]
+    # its twin: without the crash the old one goes, the new one stays, last_checkpoint points
+    assert _rotate(AccelkitCheckpointHook, tmp_path / "ok", crash=False) == ["epoch_2.pth"]
+    assert (tmp_path / "ok" / "last_checkpoint").read_text().endswith("epoch_2.pth")
