@@ -5,7 +5,7 @@ The reference is MMEngine's own Runner, run in a process that imports nothing fr
 a dataset, a metric and a hook that records what happened) with the one config change a user
 makes: ``runner_type='AccelkitRunner'`` or ``strategy=dict(type='AccelkitStrategy', ...)``.
 
-The end-to-end tests share module fixtures that run every configuration once (about a minute
+The end-to-end tests share module fixtures that run every configuration once (about two minutes
 on 2 cores), so they are marked ``slow``; the unit tests at the end are fast.
 
 Noise floor: fp32 on this CPU is deterministic; two reference runs of the same config give
