@@ -4,6 +4,7 @@ every rank fails at once instead of hanging (accelerate #3709)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from pathlib import Path
@@ -166,6 +167,46 @@ def test_a_collective_inside_main_process_first_fails_on_every_rank_at_once(what
     assert rank1["error"] == "DistributedError"
     assert "rank 0 failed inside main_process_first()" in rank1["message"]
     assert "UnsupportedError" in rank1["message"]
+
+
+def zero3_inside_worker() -> dict:
+    """accelerate #3709 itself: a ZeRO-3 model built inside main_process_first."""
+    accel = accelkit.get(
+        "deepspeed_stage_3", timeout=60.0, reduce_bucket_size=4096, allgather_bucket_size=4096
+    )
+    try:
+        with accel.main_process_first(), accel.init_module():
+            torch.nn.Linear(4, 4)
+    except (UnsupportedError, DistributedError) as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_a_zero3_model_built_inside_main_process_first_fails_at_once_on_every_rank():
+    if not (
+        importlib.util.find_spec("deepspeed") and importlib.util.find_spec("accelkit_deepspeed")
+    ):
+        pytest.skip("deepspeed or accelkit-deepspeed is not installed")
+    rank0, rank1 = accelkit.launch(zero3_inside_worker, nproc=2)
+    assert rank0["error"] == "UnsupportedError", rank0
+    assert "deepspeed_stage_3: init_module() needs every rank" in rank0["message"]
+    assert rank1["error"] == "DistributedError", rank1
+    assert "rank 0 failed inside main_process_first()" in rank1["message"]
+
+
+def cuda_worker() -> dict:
+    accel = accelkit.get("ddp", timeout=120.0)
+    total = accel.all_reduce(torch.ones(1, device=accel.device), "sum")
+    return {"device": str(accel.device), "sum": total.item()}
+
+
+@pytest.mark.gpu
+def test_launch_on_cuda_gives_each_rank_its_own_gpu():
+    nproc = min(2, torch.cuda.device_count())
+    results = accelkit.launch(cuda_worker, nproc=nproc)  # spawn: CUDA and fork do not mix
+    assert [r["device"] for r in results] == [f"cuda:{r}" for r in range(nproc)]
+    assert all(r["sum"] == nproc for r in results)
 
 
 def test_main_process_first_on_one_process_runs_the_block_and_refuses_collectives():
