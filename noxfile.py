@@ -85,7 +85,9 @@ def gpu(session: nox.Session) -> None:
 
     Start nox with that interpreter: ``python3 -m nox -s gpu``. Installs accelkit and the plugins editable without dependencies or network
     (``--no-deps --no-build-isolation``): the GPU image has torch, pluggy, safetensors, tqdm,
-    PyYAML and pytest; a backend library it lacks must be carried there as a wheel.
+    PyYAML and pytest; a backend library it lacks must be carried there as a wheel. NVIDIA Apex
+    has no wheel: build it there from its source first (docs/backends/apex.md); without it the
+    plugins/apex GPU tests skip, or fail with ``ACCELKIT_REQUIRE_APEX=1``.
     """
     python = sys.executable
     session.run(python, "-c", "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'")

@@ -16,7 +16,7 @@ _PLUGINS = {
         "deepspeed_stage_3",
         "deepspeed_stage_3_offload",
     ),
-    "accelkit-apex": ("apex",),
+    "accelkit-apex": ("apex", "apex_distributed_adam"),
     "accelkit-fairscale": ("fairscale_fsdp", "fairscale_oss", "fairscale_sdp"),
     "accelkit-colossalai": (
         "colossalai_gemini",

@@ -132,6 +132,7 @@ _FAMILIES = {
     "adam": "adam",
     "adamw": "adamw",
     "fusedadam": "adam",
+    "distributedfusedadam": "adam",
     "deepspeedcpuadam": "adam",
     "sgd": "sgd",
     "fusedsgd": "sgd",
@@ -149,9 +150,15 @@ _FAMILIES = {
 
 
 def optimizer_family(opt: torch.optim.Optimizer) -> str:
-    """``adam``, ``adamw``, ``sgd``, ...: what the state keys mean, across implementations."""
+    """``adam``, ``adamw``, ``sgd``, ...: what the state keys mean, across implementations.
+
+    A fused Adam that decouples weight decay (Apex's and DeepSpeed's ``adam_w_mode``) is ``adamw``.
+    """
     name = type(opt).__name__.lower()
-    return _FAMILIES.get(name, name)
+    family = _FAMILIES.get(name, name)
+    if family == "adam" and getattr(opt, "adam_w_mode", False):
+        return "adamw"
+    return family
 
 
 def param_owners(

@@ -1,0 +1,40 @@
+"""The ``accelkit`` entry point of accelkit-apex: names and factories only, no apex import."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import accelkit
+from accelkit_apex.probe import INSTALL
+
+
+@accelkit.hookimpl
+def accelkit_register_backends(registry: Any) -> None:
+    registry.add(
+        "apex",
+        "accelkit_apex.backend:ApexBackend",
+        requires=("apex",),
+        install=INSTALL,
+        description="one CUDA device; torch autocast precision, the optimizer swapped for Apex's "
+        "fused twin (FusedAdam, FusedSGD), optional fused norms",
+    )
+    registry.add(
+        "apex_distributed_adam",
+        "accelkit_apex.distributed_adam:DistributedAdamBackend",
+        requires=("apex",),
+        install=INSTALL,
+        description="Apex DistributedFusedAdam (ZeRO-2: optimizer state and gradients sharded, "
+        "its own gradient sync; CUDA, NCCL)",
+    )
+
+
+@accelkit.hookimpl
+def accelkit_env_report() -> dict[str, Any]:
+    from accelkit_apex.probe import env_report
+
+    try:
+        own = metadata.version("accelkit-apex")
+    except metadata.PackageNotFoundError:
+        own = None
+    return {**env_report(), "accelkit-apex": own}

@@ -1,0 +1,1 @@
+"""FAKE ``apex.contrib.optimizers`` (tests only)."""
