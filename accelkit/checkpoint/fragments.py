@@ -205,7 +205,10 @@ def optimizer_param_names(
     return names, primary
 
 
-def _group_hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
+def param_group_hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """A param group's settings (lr, betas, ...) as JSON for the manifest; ``params`` left out,
+    a 1-element tensor (a tensor lr) stored as its number, an entry JSON cannot hold skipped with
+    a warning."""
     out = {}
     for key, value in group.items():
         if key == "params":
@@ -217,6 +220,40 @@ def _group_hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
         except CheckpointError:
             log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
     return out
+
+
+def optimizer_info(
+    name: str,
+    opt: Any,
+    group_names: list[list[str]],
+    primary: str | None,
+    *,
+    groups: list[dict[str, Any]] | None = None,
+    step_granularity: str = "param",
+    scalar_state: dict[str, Any] | None = None,
+    sharding: str | None = None,
+) -> ObjectInfo:
+    """The manifest record of optimizer ``name``: its class and family, the model its parameter
+    names belong to, and each param group (``groups``, default ``opt.param_groups``) by canonical
+    parameter name with its settings. Every writer, core and plugin, describes optimizers the same
+    way, so every reader can rebuild the groups (``load_param_groups``)."""
+    record: dict[str, Any] = {
+        "type": "optimizer",
+        "class": _qualname(opt),
+        "family": optimizer_family(opt),
+        "model": primary,
+        "step_granularity": step_granularity,
+        "param_groups": [
+            {"params": pnames, **param_group_hyperparams(group, f"{name}/param_groups/{g}")}
+            for g, (group, pnames) in enumerate(
+                zip(opt.param_groups if groups is None else groups, group_names)
+            )
+        ],
+        "scalar_state": scalar_state if scalar_state is not None else {},
+    }
+    if sharding is not None:
+        record["sharding"] = sharding
+    return ObjectInfo(name, record)
 
 
 # ---- planning which rank writes what ----------------------------------------------------------------
@@ -391,21 +428,7 @@ def dense_fragments(
                         scalar_state.setdefault(pname, {})[key] = encode(
                             value, f"{name}/state/{pname}/{key}"
                         )
-        yield ObjectInfo(
-            name,
-            {
-                "type": "optimizer",
-                "class": _qualname(opt),
-                "family": optimizer_family(opt),
-                "model": primary,
-                "step_granularity": "param",
-                "param_groups": [
-                    {"params": pnames, **_group_hyperparams(group, f"{name}/param_groups/{g}")}
-                    for g, (group, pnames) in enumerate(zip(opt.param_groups, group_names))
-                ],
-                "scalar_state": scalar_state,
-            },
-        )
+        yield optimizer_info(name, opt, group_names, primary, scalar_state=scalar_state)
 
 
 def _qualname(obj: Any) -> str:

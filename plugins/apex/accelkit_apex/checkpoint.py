@@ -34,14 +34,13 @@ from accelkit.checkpoint.fragments import (
     OPTIM_PREFIX,
     Fragment,
     ObjectInfo,
-    _group_hyperparams,
-    _qualname,
     classify_state,
     dense_fragments,
     fill_tensor,
     load_dense_fragments,
     load_param_groups,
     optimizer_family,
+    optimizer_info,
     optimizer_param_names,
     param_owners,
 )
@@ -284,22 +283,14 @@ def distributed_adam_fragments(
                 if step > 0:  # one step for all; rank 0 writes it, the others declare it
                     data = _step_tensor(step) if rank == 0 else _EMPTY
                     yield Fragment(name, pname, STEP, (), 0, data)
-        yield ObjectInfo(
+        yield optimizer_info(
             name,
-            {
-                "type": "optimizer",
-                "class": _qualname(opt),
-                "family": optimizer_family(opt),
-                "model": primary,
-                "step_granularity": "group",
-                "param_groups": [
-                    {"params": pn, **_group_hyperparams(group, f"{name}/param_groups/{g}")}
-                    for g, (group, pn) in enumerate(zip(opt.param_groups, names))
-                ],
-                "scalar_state": {},
-                "sharding": "apex DistributedFusedAdam (ZeRO-2): each rank writes the ranges of "
-                "its optimizer-state shards",
-            },
+            opt,
+            names,
+            primary,
+            step_granularity="group",
+            sharding="apex DistributedFusedAdam (ZeRO-2): each rank writes the ranges of "
+            "its optimizer-state shards",
         )
 
 

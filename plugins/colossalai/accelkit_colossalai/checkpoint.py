@@ -43,6 +43,7 @@ from accelkit.checkpoint.fragments import (
     load_dense_fragments,
     load_param_groups,
     optimizer_family,
+    optimizer_info,
     tensor_fragments,
 )
 from accelkit.errors import CheckpointError, UnsupportedError
@@ -173,20 +174,6 @@ def _param_name(owner: tuple[str, str] | None, primary: str | None, fallback: st
     return owner[1] if owner[0] == primary else f"{owner[0]}/{owner[1]}"
 
 
-def _hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        try:
-            out[key] = encode(value, f"{where}/{key}")
-        except CheckpointError:
-            log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
-    return out
-
-
 # ---- writing ---------------------------------------------------------------------------------
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
     layout = layout_of(backend)
@@ -307,21 +294,13 @@ def _optimizer_fragments(
                         "master; it cannot be mapped back to the parameter"
                     )
         group_names.append(names)
-    yield ObjectInfo(
+    yield optimizer_info(
         name,
-        {
-            "type": "optimizer",
-            "class": _qualname(opt),
-            "family": optimizer_family(opt),
-            "model": primary,
-            "step_granularity": "param",
-            "param_groups": [
-                {"params": names, **_hyperparams(group, f"{name}/param_groups/{g}")}
-                for g, (group, names) in enumerate(zip(opt.param_groups, group_names))
-            ],
-            "scalar_state": scalar_state,
-            "sharding": f"colossalai-{layout.kind}: each rank writes the flat range it holds",
-        },
+        opt,
+        group_names,
+        primary,
+        scalar_state=scalar_state,
+        sharding=f"colossalai-{layout.kind}: each rank writes the flat range it holds",
     )
 
 
@@ -509,27 +488,15 @@ def _gathered_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragmen
                     scalar_state.setdefault(pname, {})[key] = encode(
                         value, f"{opt_name}/{pname}/{key}"
                     )
-    groups = []
-    for g, group in enumerate(gathered["param_groups"]):
-        groups.append(
-            {
-                "params": [id_names[pid] for pid in group["params"]],
-                **_hyperparams(group, f"{opt_name}/param_groups/{g}"),
-            }
-        )
-    opt = objects.optimizers[opt_name]
-    yield ObjectInfo(
+    groups = gathered["param_groups"]
+    yield optimizer_info(
         opt_name,
-        {
-            "type": "optimizer",
-            "class": _qualname(opt),
-            "family": optimizer_family(opt),
-            "model": model_name,
-            "step_granularity": "param",
-            "param_groups": groups,
-            "scalar_state": scalar_state,
-            "sharding": "colossalai-gemini: gathered by GeminiOptimizer.state_dict on rank 0",
-        },
+        objects.optimizers[opt_name],
+        [[id_names[pid] for pid in group["params"]] for group in groups],
+        model_name,
+        groups=groups,
+        scalar_state=scalar_state,
+        sharding="colossalai-gemini: gathered by GeminiOptimizer.state_dict on rank 0",
     )
 
 

@@ -55,6 +55,7 @@ from accelkit.checkpoint.fragments import (
     load_dense_fragments,
     load_param_groups,
     optimizer_family,
+    optimizer_info,
     tensor_fragments,
 )
 from accelkit.errors import CheckpointError, UnsupportedError
@@ -300,20 +301,6 @@ def _group_names(
     return names, primary
 
 
-def _hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        try:
-            out[key] = encode(value, f"{where}/{key}")
-        except CheckpointError:
-            log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
-    return out
-
-
 # ---- writing ---------------------------------------------------------------------------------
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
     layout = layout_of(backend)
@@ -438,22 +425,15 @@ def _optimizer_fragments(
                         value, f"{name}/state/{pname}/{key}"
                     )
     stage = getattr(backend, "stage", None)
-    yield ObjectInfo(
+    yield optimizer_info(
         name,
-        {
-            "type": "optimizer",
-            "class": _qualname(base),
-            "family": optimizer_family(base),
-            "model": primary,
-            "step_granularity": layout.granularity,
-            "param_groups": [
-                {"params": names[g], **_hyperparams(group, f"{name}/param_groups/{g}")}
-                for g, group in enumerate(base.param_groups)
-            ],
-            "scalar_state": scalar_state,
-            "sharding": f"deepspeed ZeRO-{stage} ({type(layout.wrapper).__name__}): each rank "
-            "writes the flat ranges it holds",
-        },
+        base,
+        names,
+        primary,
+        step_granularity=layout.granularity,
+        scalar_state=scalar_state,
+        sharding=f"deepspeed ZeRO-{stage} ({type(layout.wrapper).__name__}): each rank "
+        "writes the flat ranges it holds",
     )
 
 

@@ -44,6 +44,7 @@ from accelkit.checkpoint.fragments import (
     load_dense_fragments,
     load_param_groups,
     optimizer_family,
+    optimizer_info,
     optimizer_param_names,
     param_owners,
     tensor_fragments,
@@ -63,20 +64,6 @@ def _qualname(obj: Any) -> str:
 def clean_fqn(name: str) -> str:
     parts = [p for p in name.split(".") if p not in _FAIRSCALE_COMPONENTS]
     return canonical_fqn(".".join(parts))
-
-
-def _hyperparams(group: dict[str, Any], where: str) -> dict[str, Any]:
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        try:
-            out[key] = encode(value, f"{where}/{key}")
-        except CheckpointError:
-            log.warning("%s: param group entry %r is not stored (not JSON-able)", where, key)
-    return out
 
 
 def _new_state(like: torch.Tensor, key: str, entry: Any) -> torch.Tensor:
@@ -142,21 +129,14 @@ def _oss_optimizer_fragments(
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, scalar_state)
         scalar_state = {k: v for part in gathered for k, v in part.items()}
-    yield ObjectInfo(
+    yield optimizer_info(
         name,
-        {
-            "type": "optimizer",
-            "class": _qualname(oss.optim),
-            "family": optimizer_family(oss.optim),
-            "model": primary,
-            "step_granularity": "param",
-            "param_groups": [
-                {"params": pnames, **_hyperparams(group, f"{name}/param_groups/{g}")}
-                for g, (group, pnames) in enumerate(zip(oss.param_groups, group_names))
-            ],
-            "scalar_state": scalar_state,
-            "sharding": "fairscale-oss: each parameter's state written by its owner rank",
-        },
+        oss.optim,
+        group_names,
+        primary,
+        groups=oss.param_groups,
+        scalar_state=scalar_state,
+        sharding="fairscale-oss: each parameter's state written by its owner rank",
     )
 
 
@@ -411,21 +391,13 @@ def _fsdp_optimizer_fragments(
                             local[at : at + count],
                         )
         group_names.append(names)
-    yield ObjectInfo(
+    yield optimizer_info(
         name,
-        {
-            "type": "optimizer",
-            "class": _qualname(opt),
-            "family": optimizer_family(opt),
-            "model": module_name,
-            "step_granularity": "param",
-            "param_groups": [
-                {"params": names, **_hyperparams(group, f"{name}/param_groups/{g}")}
-                for g, (group, names) in enumerate(zip(opt.param_groups, group_names))
-            ],
-            "scalar_state": scalar_state,
-            "sharding": "fairscale-fsdp: flat-parameter shards cut back to original parameters",
-        },
+        opt,
+        group_names,
+        module_name,
+        scalar_state=scalar_state,
+        sharding="fairscale-fsdp: flat-parameter shards cut back to original parameters",
     )
 
 

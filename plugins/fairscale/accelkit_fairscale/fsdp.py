@@ -392,8 +392,8 @@ class FairScaleFSDPBackend(Backend):
         `end` but got dtype c10::Half", measured on the H200 and on the CPU shim). Cast it here,
         which is what FairScale does at world size > 1.
         """
-        if not getattr(self.precision, "native", False):
-            return
+        if not getattr(self.precision, "native", False) or self.world_size > 1:
+            return  # only world size 1 leaves them in fp16; keep the step loop free elsewhere
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
