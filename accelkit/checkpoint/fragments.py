@@ -537,6 +537,19 @@ def _local_device(param: torch.Tensor) -> torch.device:
     return param.to_local().device if is_dtensor(param) else param.device
 
 
+def warn_family_mismatch(name: str, info: dict[str, Any], opt: Any) -> None:
+    """Warn where a checkpoint's optimizer family (adam, sgd, ...) is not the target's: the state
+    keys may still load, but they may not mean the same."""
+    family = info.get("family")
+    if family and family != optimizer_family(opt):
+        log.warning(
+            "optimizer %r: loading %s state into a %s optimizer",
+            name,
+            family,
+            optimizer_family(opt),
+        )
+
+
 def load_optimizer(
     reader: CheckpointReader,
     name: str,
@@ -546,14 +559,7 @@ def load_optimizer(
     """Fill a torch optimizer's hyperparameters and per-parameter state, matched by fqn."""
     info = reader.object_info(name, "optimizer")
     group_names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    family = info.get("family")
-    if family and family != optimizer_family(opt):
-        log.warning(
-            "optimizer %r: loading %s state into a %s optimizer",
-            name,
-            family,
-            optimizer_family(opt),
-        )
+    warn_family_mismatch(name, info, opt)
     load_param_groups(reader, name, info, opt.param_groups, group_names)
     per_param = reader.optimizer_entries(name)
     scalar_state = info.get("scalar_state", {})

@@ -39,10 +39,10 @@ from accelkit.checkpoint.fragments import (
     fill_tensor,
     load_dense_fragments,
     load_param_groups,
-    optimizer_family,
     optimizer_info,
     optimizer_param_names,
     param_owners,
+    warn_family_mismatch,
 )
 from accelkit.errors import CheckpointError, UnsupportedError
 
@@ -74,17 +74,6 @@ def _step_tensor(value: float) -> torch.Tensor:
 
 
 _EMPTY = torch.zeros(0, dtype=torch.float32)
-
-
-def _warn_family(name: str, info: dict[str, Any], opt: torch.optim.Optimizer) -> None:
-    family = info.get("family")
-    if family and family != optimizer_family(opt):
-        log.warning(
-            "optimizer %r: loading %s state into a %s optimizer",
-            name,
-            family,
-            optimizer_family(opt),
-        )
 
 
 def common_step(
@@ -187,7 +176,7 @@ def load_group_step_optimizer(
     """Fill an Apex optimizer that keeps per-group steps from any checkpoint."""
     info = reader.object_info(name, "optimizer")
     names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    _warn_family(name, info, opt)
+    warn_family_mismatch(name, info, opt)
     load_param_groups(reader, name, info, opt.param_groups, names)
     per_param = reader.optimizer_entries(name)
     scalar_state = info.get("scalar_state", {})
@@ -339,7 +328,7 @@ def _load_distributed_adam(
     check_flat_layout(opt)
     info = reader.object_info(name, "optimizer")
     names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    _warn_family(name, info, opt)
+    warn_family_mismatch(name, info, opt)
     load_param_groups(reader, name, info, opt.param_groups, names)
     per_param = reader.optimizer_entries(name)
     scalar_state = info.get("scalar_state", {})

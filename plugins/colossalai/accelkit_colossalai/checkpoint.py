@@ -42,9 +42,9 @@ from accelkit.checkpoint.fragments import (
     fill_tensor,
     load_dense_fragments,
     load_param_groups,
-    optimizer_family,
     optimizer_info,
     tensor_fragments,
+    warn_family_mismatch,
 )
 from accelkit.errors import CheckpointError, UnsupportedError
 
@@ -376,14 +376,7 @@ def _load_optimizer(
             row.append(_param_name(owner, primary, f"param_groups.{g}.params.{i}"))
         names.append(row)
     load_param_groups(reader, name, info, opt.param_groups, names)
-    family = info.get("family")
-    if family and family != optimizer_family(opt):
-        log.warning(
-            "optimizer %r: loading %s state into a %s optimizer",
-            name,
-            family,
-            optimizer_family(opt),
-        )
+    warn_family_mismatch(name, info, opt)
     per_param, scalars = _state_entries(reader, info, name)
     from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
 

@@ -54,9 +54,9 @@ from accelkit.checkpoint.fragments import (
     fill_tensor,
     load_dense_fragments,
     load_param_groups,
-    optimizer_family,
     optimizer_info,
     tensor_fragments,
+    warn_family_mismatch,
 )
 from accelkit.errors import CheckpointError, UnsupportedError
 
@@ -544,14 +544,7 @@ def _load_optimizer(
     info = reader.object_info(name, "optimizer")
     names, _ = _group_names(layout, owners, primary=info.get("model"))
     load_param_groups(reader, name, info, base.param_groups, names)
-    family = info.get("family")
-    if family and family != optimizer_family(base):
-        log.warning(
-            "optimizer %r: loading %s state into a %s optimizer",
-            name,
-            family,
-            optimizer_family(base),
-        )
+    warn_family_mismatch(name, info, base)
     per_param = reader.optimizer_entries(name)
     scalars = info.get("scalar_state", {})
     all_flats = [flat for flats in layout.flats for flat in flats]

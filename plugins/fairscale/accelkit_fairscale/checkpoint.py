@@ -43,11 +43,11 @@ from accelkit.checkpoint.fragments import (
     fill_tensor,
     load_dense_fragments,
     load_param_groups,
-    optimizer_family,
     optimizer_info,
     optimizer_param_names,
     param_owners,
     tensor_fragments,
+    warn_family_mismatch,
 )
 from accelkit.errors import CheckpointError
 
@@ -79,17 +79,6 @@ def _new_state(like: torch.Tensor, key: str, entry: Any) -> torch.Tensor:
     if entry.shape == tuple(like.shape):
         return torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
     return torch.zeros(entry.shape, dtype=dtype, device=like.device)
-
-
-def _warn_family(name: str, info: dict[str, Any], target: Any) -> None:
-    family = info.get("family")
-    if family and family != optimizer_family(target):
-        log.warning(
-            "optimizer %r: loading %s state into a %s optimizer",
-            name,
-            family,
-            optimizer_family(target),
-        )
 
 
 # ---- OSS (fairscale_oss, fairscale_sdp) --------------------------------------------------------
@@ -162,7 +151,7 @@ def _load_oss_optimizer(
     load_param_groups(
         reader, name, reader.object_info(name, "optimizer"), oss.param_groups, group_names
     )
-    _warn_family(name, info, oss.optim)
+    warn_family_mismatch(name, info, oss.optim)
     # the wrapped optimizer's groups follow OSS's (OSS syncs them at each step; do it now)
     owned = {id(p) for group in oss.optim.param_groups for p in group["params"]}
     for group, local in zip(oss.param_groups, oss.optim.param_groups):
@@ -478,7 +467,7 @@ def _load_fsdp_optimizer(
     ]
     info = reader.object_info(name, "optimizer")
     load_param_groups(reader, name, info, opt.param_groups, names)
-    _warn_family(name, info, opt)
+    warn_family_mismatch(name, info, opt)
     per_param = reader.optimizer_entries(name)
     scalars = info.get("scalar_state", {})
     for group in opt.param_groups:
