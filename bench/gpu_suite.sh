@@ -3,8 +3,13 @@
 # Packages the image lacks (deepspeed and its pure-Python needs) travel as wheels in .whl/.
 #
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
+#        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
+#        [caitests] [caibench] [apextests] [apexbench]
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
+# ColossalAI's wheels (.whl/colossalai/, see docs/backends/colossalai.md) go into a site of their
+# own, on the path of the ColossalAI parts only (they pin an older transformers than the image's).
+# NVIDIA Apex has no wheel: the apex parts put APEX_SITE (where it was built) on the path.
 set -u
 OUTDIR=${1:?usage: gpu_suite.sh OUTDIR parts...}; shift
 mkdir -p "$OUTDIR"
@@ -19,6 +24,10 @@ if [ ! -d "$SITE/accelkit" ]; then
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" "$plugin" \
       || echo "plugin $plugin did not install"
   done
+fi
+CAI_SITE=/tmp/accelkit-cai-site
+if [ ! -d "$CAI_SITE/colossalai" ] && ls .whl/colossalai/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$CAI_SITE" .whl/colossalai/*.whl
 fi
 export PYTHONPATH=$SITE
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -69,7 +78,54 @@ for p in "$@"; do
       timeout 75 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
     fairscale)
       part fairscale
-      timeout 150 python3 plugins/fairscale/bench/fsdp_step_time.py 2>&1 | tail -20 | tee "$OUTDIR/fairscale.log" ;;
+      timeout 150 torchrun --nproc-per-node 1 plugins/fairscale/bench/fsdp_step_time.py > "$OUTDIR/fairscale.log" 2>&1
+      grep -E "ratio|ms:" "$OUTDIR/fairscale.log" ;;
+    coretests)
+      part coretests
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 330 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 300 tests plugins/deepspeed plugins/fairscale > "$OUTDIR/core-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/core-tests.log" | tail -30 ;;
+    fairscale16)
+      part fairscale16
+      timeout 150 torchrun --nproc-per-node 1 plugins/fairscale/bench/fsdp_step_time.py --precision 16-mixed > "$OUTDIR/fairscale-16.log" 2>&1
+      grep -E "ratio|ms:" "$OUTDIR/fairscale-16.log" ;;
+    benchcompile)
+      part benchcompile
+      for b in 8 16; do
+        timeout 260 python3 -m accelkit.cli bench --model gpt2-small --precision bf16-mixed --batch $b \
+          --backends cuda,cuda+compile --steps 20 --warmup 8 --repeats 3 --no-progress \
+          --out "$OUTDIR/h200-gpt2-compile-b$b.json" > "$OUTDIR/bench-compile-b$b.log" 2>&1
+        tail -8 "$OUTDIR/bench-compile-b$b.log"
+      done ;;
+    caitests)
+      part caitests
+      PYTHONPATH=$CAI_SITE:$SITE ACCELKIT_GPU_REPORT="$OUTDIR" timeout 420 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 400 plugins/colossalai > "$OUTDIR/cai-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/cai-tests.log" | tail -20 ;;
+    caibench)
+      part caibench
+      for b in colossalai_zero colossalai_gemini; do
+        PYTHONPATH=$CAI_SITE:$SITE timeout 200 torchrun --nproc-per-node 1 plugins/colossalai/bench/step_time.py --backend $b --repeats 5 > "$OUTDIR/cai-bench-$b.log" 2>&1
+        grep -E "ratio|Error" "$OUTDIR/cai-bench-$b.log" | tail -3
+      done ;;
+    apextests)
+      part apextests
+      PYTHONPATH=${APEX_SITE:-}:$SITE ACCELKIT_REQUIRE_APEX=1 timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 280 plugins/apex > "$OUTDIR/apex-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/apex-tests.log" | tail -20 ;;
+    apexbench)
+      part apexbench
+      PYTHONPATH=${APEX_SITE:-}:$SITE timeout 200 python3 plugins/apex/bench/step_time.py --repeats 5 --out "$OUTDIR/apex-step-time.json" > "$OUTDIR/apex-bench.log" 2>&1
+      tail -10 "$OUTDIR/apex-bench.log" ;;
+    coregpu)
+      part coregpu
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 280 tests > "$OUTDIR/core-gpu.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|estimate" "$OUTDIR/core-gpu.log" | tail -30 ;;
+    fstests)
+      part fstests
+      timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 220 plugins/fairscale > "$OUTDIR/fs-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/fs-tests.log" | tail -20 ;;
+    dsz3)
+      part dsz3
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 180 -k zero3_bf16_checkpoint plugins/deepspeed > "$OUTDIR/ds-z3-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/ds-z3-tests.log" | tail -10 ;;
     *) echo "unknown part $p" ;;
   esac
 done
