@@ -14,6 +14,11 @@ How accelkit's loop maps onto the engine:
 * ``grad_norm`` is DeepSpeed's (``engine.get_global_grad_norm()``), computed here where DeepSpeed
   records none (ZeRO-0 without its bf16/fp16 optimizer), and divided by the GradScaler's scale
   under 16-mixed, where DeepSpeed reports the scaled norm.
+
+Several models: each ``setup()`` builds its own engine (DeepSpeed trains one model and one
+optimizer per engine, as DeepSpeed-Chat's actor/critic do). The backend finds the engine of each
+call from what the Accelerator passes: the model of ``backward(loss, model=...)``, the model and
+optimizer of ``step(opt)``. With one trained model ``model=`` may be left out.
 """
 
 from __future__ import annotations
@@ -71,6 +76,17 @@ class EnginePrecision(Precision):
         return _cast_floats(data, torch.float32) if self.cast_output else data
 
 
+@dataclasses.dataclass
+class _EngineRecord:
+    """One engine of this backend: what ``setup`` built for one model."""
+
+    engine: Any
+    #: set up with an optimizer (a frozen model set up alone is evaluation-only)
+    trains: bool
+    #: DeepSpeed's managed_gradient_accumulation (False: step() is the boundary itself)
+    managed: bool
+
+
 class DeepSpeedBackend(Backend):
     """``deepspeed``, ``deepspeed_stage_1/2/3`` and ``deepspeed_stage_3_offload``."""
 
@@ -115,10 +131,57 @@ class DeepSpeedBackend(Backend):
         )
         self.offloads = (offload_optimizer, offload_param)
         self.precision = EnginePrecision(settings.precision or "32-true")
-        self.engine: Any = None
+        self._records: list[_EngineRecord] = []  # one per setup(), in setup order
         self._micro_batch: int | None = None
         self._deepspeed: Any = None
-        self._managed = True  # DeepSpeed's managed_gradient_accumulation
+
+    # ---- engines ------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[Any]:
+        """Every engine, one per ``setup()``, in setup order."""
+        return [r.engine for r in self._records]
+
+    @property
+    def engine(self) -> Any:
+        """The first engine set up (the only one with one model), or None before setup."""
+        return self._records[0].engine if self._records else None
+
+    def _record_of(self, model: Any) -> _EngineRecord | None:
+        """The record of the engine ``model`` is (or wraps), or None."""
+        for record in self._records:
+            if model is record.engine or model is record.engine.module:
+                return record
+        return None
+
+    def engine_of(self, model: torch.nn.Module | None) -> Any:
+        """The engine of ``model`` (the one ``setup`` returned, or the module inside it); with
+        ``model=None``, the only engine that trains."""
+        if not self._records:
+            raise UnsupportedError(
+                f"{self.name}: call accel.setup(model, optimizer) before training"
+            )
+        if model is None:
+            trained = [r for r in self._records if r.trains] or self._records
+            if len(trained) == 1:
+                return trained[0].engine
+            raise ConfigError(
+                f"{self.name}: {len(trained)} models are set up, each in its own DeepSpeed "
+                "engine; say which one this loss trains: accel.backward(loss, model=...)"
+            )
+        record = self._record_of(model)
+        if record is None:
+            raise ConfigError(
+                f"{self.name}: this {type(model).__name__} was not set up by this accelerator; "
+                "pass the model accel.setup() returned"
+            )
+        return record.engine
+
+    def _engine_of_step(self, model: Any, optimizer: Any) -> Any:
+        """The engine that owns ``optimizer`` (what ``setup`` returned for it)."""
+        for record in self._records:
+            if optimizer is record.engine.optimizer:
+                return record.engine
+        return self.engine_of(model)
 
     # ---- launch -------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -196,7 +259,8 @@ class DeepSpeedBackend(Backend):
             return
         if self.engine is None:
             self._micro_batch = self._micro_batch or int(batch)
-        elif batch != self.engine.train_micro_batch_size_per_gpu():
+            return
+        if batch != self.engine.train_micro_batch_size_per_gpu():
             log.info(
                 "deepspeed: the loader's batch size %d differs from the engine's "
                 "train_micro_batch_size_per_gpu=%d (set when setup() ran before "
@@ -224,10 +288,10 @@ class DeepSpeedBackend(Backend):
         activation_checkpointing: Any = None,
         compile: bool | dict[str, Any] = False,
     ) -> SetupResult:
-        if self.engine is not None:
-            raise UnsupportedError(
-                f"{self.name}: one DeepSpeed engine per Accelerator; build another accelerator "
-                "with accelkit.get() for a second model"
+        if self._record_of(model) is not None:
+            raise ConfigError(
+                f"{self.name}: this model is already set up (it has its engine); set up each "
+                "model once"
             )
         if compile:
             raise UnsupportedError(f"{self.name}: setup(compile=...) is not supported yet")
@@ -273,12 +337,17 @@ class DeepSpeedBackend(Backend):
         engine, optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizers[0] if optimizers else None, config=config
         )
-        self.engine = engine
         # managed_gradient_accumulation=false (DeepSpeed >= 0.19): step() is the boundary itself
         managed = getattr(engine, "managed_gradient_accumulation", None)
-        self._managed = managed is None or bool(managed())
         # ZeRO-3 without an optimizer returns its parameter coordinator as the "optimizer"
         trains = bool(optimizers) or dsconfig._is_set(config.get("optimizer"))
+        self._records.append(
+            _EngineRecord(
+                engine, trains and optimizer is not None, managed is None or bool(managed())
+            )
+        )
+        if len(self._records) > 1:
+            log.debug("deepspeed: engine %d set up (one per model)", len(self._records))
         opts = [engine.optimizer] if trains and optimizer is not None else []
         return SetupResult(engine, opts)
 
@@ -287,21 +356,27 @@ class DeepSpeedBackend(Backend):
         return contextlib.nullcontext()  # the engine's forward runs torch_autocast itself
 
     def before_backward(self, model: Any, *, closes_window: bool) -> None:
-        """Tell the engine whether this backward closes the window (called by the Accelerator)."""
-        engine = self.engine
-        if engine is not None and self._managed:
+        """Tell the model's engine whether this backward closes its window (called by the
+        Accelerator, with the window of that model's optimizer)."""
+        if not self._records:
+            return  # backward() says what is missing
+        engine = self.engine_of(model)
+        record = self._record_of(engine)
+        if record is not None and record.managed:
             engine.set_gradient_accumulation_boundary(closes_window)
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
-        if self.engine is None:
+        if not self._records:
             raise UnsupportedError(
                 f"{self.name}: call accel.setup(model, optimizer) before backward"
             )
-        self.engine.backward(loss, **kwargs)
+        self.engine_of(model).backward(loss, **kwargs)
 
-    def _grad_scaler(self) -> Any:
+    def _grad_scaler(self, engine: Any = None) -> Any:
         """torch's GradScaler DeepSpeed uses under 16-mixed (torch_autocast fp16), else None."""
-        engine = self.engine
+        engine = engine if engine is not None else self.engine
+        if engine is None:
+            return None
         if self.stage == 0:
             return getattr(engine, "torch_autocast_z0_gradscaler", None)
         return getattr(engine.optimizer, "torch_autocast_gradscaler", None)
@@ -314,9 +389,9 @@ class DeepSpeedBackend(Backend):
         max_grad_norm: float | None,
         track_grad_norm: bool,
     ) -> StepResult:
-        engine = self.engine
+        engine = self._engine_of_step(model, optimizer)
         want_norm = max_grad_norm is not None or track_grad_norm
-        scaler = self._grad_scaler()
+        scaler = self._grad_scaler(engine)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
         scale_before = scale.detach().clone() if scale is not None else None
         own_norm = None
@@ -355,8 +430,11 @@ class DeepSpeedBackend(Backend):
         return norm / scale.to(norm.device) if scale is not None else norm
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.engine is not None:
-            self.engine.zero_grad()
+        engines = [e for e in self.engines if e.optimizer is optimizer]
+        if not engines and len(self._records) == 1:
+            engines = self.engines
+        for engine in engines:
+            engine.zero_grad()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         inner = getattr(model, "module", model)
@@ -410,7 +488,7 @@ class DeepSpeedBackend(Backend):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
     def teardown(self) -> None:
-        self.engine = None
+        self._records.clear()
 
 
 # ---- helpers --------------------------------------------------------------------------------

@@ -27,6 +27,11 @@ raise under ``strict`` (otherwise: a warning and the largest). Frozen parameters
 their low-precision weights (``"trainable": false``), buffers by rank 0. After the fp32 masters
 are loaded the low-precision weights are refreshed from them (ZeRO-1/2: DeepSpeed's
 ``update_lp_params``; ZeRO-3: each ``ds_tensor``, then the persistent parameters re-gathered).
+
+Several engines (one per model set up): each model and optimizer of the state goes through the
+layout of the engine that holds it; objects no engine holds in a sharded layout (an
+evaluation-only ZeRO-0 engine, a plain module) go through accelkit's dense writer. The backend
+state keeps each engine's loss scale and counters in setup order.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from accelkit.checkpoint.fragments import (
     tensor_fragments,
     warn_family_mismatch,
 )
+from accelkit.checkpoint.writer import agree
 from accelkit.errors import CheckpointError, UnsupportedError
 
 log = logging.getLogger("accelkit")
@@ -135,9 +141,10 @@ def _check_not_on_nvme(backend: Any, param: Any) -> None:
         )
 
 
-def layout_of(backend: Any) -> Layout:
-    """This rank's layout (``dense`` before setup, and for ZeRO-0 with fp32 weights)."""
-    engine = backend.engine
+def layout_of(backend: Any, engine: Any = None) -> Layout:
+    """This rank's layout of ``engine`` (default: the first one; ``dense`` before setup, and for
+    ZeRO-0 with fp32 weights)."""
+    engine = engine if engine is not None else backend.engine
     layout = Layout()
     if engine is None:
         return layout
@@ -255,18 +262,31 @@ def _fp16_layout(layout: Layout) -> None:
             offset += numel
 
 
-# ---- which objects of the state the engine holds ---------------------------------------------
-def _split_state(backend: Any, layout: Layout, state: dict[str, Any]) -> tuple[Any, list[str]]:
-    """The state's objects, and the names of those the engine does not hold (dense)."""
+# ---- which objects of the state each engine holds ---------------------------------------------
+def _layouts(backend: Any) -> list[Layout]:
+    """This rank's layout of every engine, in setup order (the same order on every rank)."""
+    return [layout_of(backend, engine) for engine in getattr(backend, "engines", ())]
+
+
+def _split_state(
+    backend: Any, layouts: list[Layout], state: dict[str, Any]
+) -> tuple[Any, dict[str, Layout], list[str]]:
+    """The state's objects; the layout holding each model and optimizer an engine shards; the
+    names of the others (written and read dense)."""
     objects = classify_state(state)
-    others = []
+    sharded = [layout for layout in layouts if layout.kind != "dense"]
+    held: dict[str, Layout] = {}
     for name, module in objects.modules.items():
-        if user_module(module, backend) is not layout.module:
-            others.append(name)
+        inner = user_module(module, backend)
+        for layout in sharded:
+            if inner is layout.module:
+                held[name] = layout
     for name, opt in objects.optimizers.items():
-        if opt is not layout.wrapper and opt is not layout.base:
-            others.append(name)
-    return objects, others
+        for layout in sharded:
+            if opt is layout.wrapper or opt is layout.base:
+                held[name] = layout
+    others = [n for n in (*objects.modules, *objects.optimizers) if n not in held]
+    return objects, held, others
 
 
 def _owners(backend: Any, objects: Any) -> dict[int, tuple[str, str]]:
@@ -303,24 +323,23 @@ def _group_names(
 
 # ---- writing ---------------------------------------------------------------------------------
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
-    layout = layout_of(backend)
-    if layout.kind == "dense":
+    objects, held, others = _split_state(backend, _layouts(backend), state)
+    if not held:
         yield from dense_fragments(backend, state)
         return
-    objects, others = _split_state(backend, layout, state)
     if others:
         yield from dense_fragments(backend, state, names=others)
     planner = ReplicaPlanner(backend.rank, backend.world_size)
     for name, module in objects.modules.items():
-        if name in others:
+        if name not in held:
             continue
         inner = user_module(module, backend)
         yield ObjectInfo(name, {"type": "module", "class": _qualname(inner)})
-        yield from _module_fragments(backend, name, inner, layout, planner)
+        yield from _module_fragments(backend, name, inner, held[name], planner)
     owners = _owners(backend, objects)
     for name in objects.optimizers:
-        if name not in others:
-            yield from _optimizer_fragments(backend, name, layout, owners, planner)
+        if name in held:
+            yield from _optimizer_fragments(backend, name, held[name], owners, planner)
 
 
 def _module_fragments(
@@ -442,35 +461,50 @@ _EMPTY = torch.zeros(0, dtype=torch.float32)
 
 # ---- reading ---------------------------------------------------------------------------------
 def load_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
-    layout = layout_of(backend)
-    if layout.kind == "dense":
+    layouts = _layouts(backend)
+    objects, held, others = _split_state(backend, layouts, state)
+    if not held:
         load_dense_fragments(backend, reader, state)
         return
-    objects, others = _split_state(backend, layout, state)
-    if others:
-        load_dense_fragments(backend, reader, state, names=others)
-    modules = [n for n in objects.modules if n not in others]
-    if modules:
-        _load_modules(backend, reader, modules, objects, layout)
+    refresh = []
+    error = None
+    try:  # this rank's reads only: no collective until every rank has read
+        if others:
+            load_dense_fragments(backend, reader, state, names=others)
+        for layout in layouts:
+            modules = [n for n in objects.modules if held.get(n) is layout]
+            if modules:
+                _read_modules(backend, reader, modules, objects, layout)
+                refresh.append(layout)
+    except Exception as err:
+        error = err
+    # A rank whose read failed (a corrupted or missing fragment) must not leave the others
+    # waiting in the refresh's all-gather: every rank learns of it here and raises.
+    agree(error, f"reading {reader.directory}")
+    for layout in refresh:  # engine by engine, in setup order (the refresh is collective)
+        _refresh_low_precision(layout)
     owners = _owners(backend, objects)
     for name in objects.optimizers:
-        if name not in others:
-            _load_optimizer(backend, reader, name, layout, owners)
+        if name in held:
+            _load_optimizer(backend, reader, name, held[name], owners)
 
 
-def _load_modules(
+def _read_modules(
     backend: Any, reader: Any, names: list[str], objects: Any, layout: Layout
 ) -> None:
     wrapper = layout.wrapper
-    zero3 = layout.kind == "zero3"
-    if zero3 and hasattr(wrapper, "checkpoint_event_prologue"):
+    if layout.kind == "zero3" and hasattr(wrapper, "checkpoint_event_prologue"):
         wrapper.checkpoint_event_prologue()  # partition every parameter (persistent ones too)
     for name in names:
         _load_module(backend, reader, name, user_module(objects.modules[name], backend), layout)
-    # refresh the low-precision weights from the fp32 masters just loaded
+
+
+def _refresh_low_precision(layout: Layout) -> None:
+    """The low-precision weights from the fp32 masters just read (collective)."""
+    wrapper = layout.wrapper
     if layout.kind == "hp_mapping":
         wrapper.update_lp_params()  # DeepSpeed's own: copy, then all-gather the partitions
-    elif zero3 and hasattr(wrapper, "checkpoint_event_epilogue"):
+    elif layout.kind == "zero3" and hasattr(wrapper, "checkpoint_event_epilogue"):
         wrapper.checkpoint_event_epilogue()  # re-gather the persistent parameters
 
 
@@ -661,10 +695,36 @@ _ENGINE_FIELDS = ("global_steps", "global_samples", "skipped_steps")
 
 
 def engine_state(backend: Any) -> dict[str, Any]:
-    """DeepSpeed's loss scale (16-true), torch GradScaler (16-mixed), and step counters."""
-    engine = backend.engine
-    if engine is None:
-        return {}
+    """Every engine's loss scale and counters: one engine's as :func:`engine_state_of` gives
+    them, several under ``"engines"``, in setup order."""
+    engines = list(getattr(backend, "engines", ()))
+    if len(engines) > 1:
+        return {"engines": [engine_state_of(backend, engine) for engine in engines]}
+    return engine_state_of(backend, engines[0]) if engines else {}
+
+
+def load_engine_state(backend: Any, state: dict[str, Any]) -> None:
+    """Restore what :func:`engine_state` saved: the i-th saved engine into the i-th engine set
+    up (a count that differs is logged; the engines beyond the shorter list keep theirs)."""
+    engines = list(getattr(backend, "engines", ()))
+    if not engines or not state:
+        return
+    saved = state.get("engines", [state])
+    if len(saved) != len(engines):
+        log.warning(
+            "%s: the checkpoint holds the loss scale and step counters of %d DeepSpeed "
+            "engine(s), this accelerator has %d; restoring them in setup order for the first %d",
+            backend.name,
+            len(saved),
+            len(engines),
+            min(len(saved), len(engines)),
+        )
+    for engine, engine_saved in zip(engines, saved):
+        load_engine_state_of(backend, engine, engine_saved)
+
+
+def engine_state_of(backend: Any, engine: Any) -> dict[str, Any]:
+    """One engine's DeepSpeed loss scale (16-true), torch GradScaler (16-mixed), step counters."""
     out: dict[str, Any] = {
         "engine": {k: int(getattr(engine, k)) for k in _ENGINE_FIELDS if hasattr(engine, k)}
     }
@@ -678,7 +738,7 @@ def engine_state(backend: Any) -> dict[str, Any]:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 fields[key] = value
         out["loss_scaler"] = fields
-    grad_scaler = backend._grad_scaler()
+    grad_scaler = backend._grad_scaler(engine)
     if grad_scaler is not None:
         out["grad_scaler"] = {
             k: (v.item() if isinstance(v, torch.Tensor) else v)
@@ -687,9 +747,8 @@ def engine_state(backend: Any) -> dict[str, Any]:
     return out
 
 
-def load_engine_state(backend: Any, state: dict[str, Any]) -> None:
-    engine = backend.engine
-    if engine is None or not state:
+def load_engine_state_of(backend: Any, engine: Any, state: dict[str, Any]) -> None:
+    if not state:
         return
     for key, value in state.get("engine", {}).items():
         if hasattr(engine, key):
@@ -702,7 +761,7 @@ def load_engine_state(backend: Any, state: dict[str, Any]) -> None:
                 current.fill_(value)
             else:
                 setattr(scaler, key, value)
-    grad_scaler = backend._grad_scaler()
+    grad_scaler = backend._grad_scaler(engine)
     if grad_scaler is not None and state.get("grad_scaler"):
         grad_scaler.load_state_dict(dict(state["grad_scaler"]))
 

@@ -5,6 +5,9 @@ The engine (model, fp32 masters, optimizer state) goes through ``engine.save_che
 objects, plain values) rides in DeepSpeed's ``client_state``. It is pickled, as DeepSpeed's
 files are, so loading it needs ``trust_pickle=True``. ``accelkit convert --trust-pickle``
 turns such a directory into a portable checkpoint (:mod:`accelkit_deepspeed.importer`).
+
+A native checkpoint holds one engine: with several models set up, ``state`` names the model (and
+optimizer) of one of them, and only that engine's loss scale and counters go in.
 """
 
 from __future__ import annotations
@@ -21,11 +24,21 @@ from accelkit.errors import CheckpointError, UnsupportedError
 CLIENT_KEY = "accelkit"
 
 
-def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, list[str], list[str]]:
-    engine = backend.engine
-    if engine is None:
+def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, Any, list[str], list[str]]:
+    """The engine whose model ``state`` holds, the state's objects, and that engine's names."""
+    engines = list(backend.engines)
+    if not engines:
         raise UnsupportedError(f"{backend.name}: call accel.setup() before a native save or load")
     objects = classify_state(state)
+    inner = [user_module(m, backend) for m in objects.modules.values()]
+    holding = [e for e in engines if any(m is e.module for m in inner)]
+    if len(holding) > 1:
+        raise UnsupportedError(
+            f"{backend.name}: a native DeepSpeed checkpoint holds one engine, and state has the "
+            f"models of {len(holding)}; save them with the portable format (the default), or "
+            "one native checkpoint per model"
+        )
+    engine = holding[0] if holding else engines[0]
     modules = [n for n, m in objects.modules.items() if user_module(m, backend) is engine.module]
     optimizer = getattr(engine.optimizer, "optimizer", None)
     optimizers = [
@@ -40,7 +53,7 @@ def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, list[str], 
             f"optimizer only (state has {strangers or 'no model'} besides); save the others "
             "with the portable format (the default)"
         )
-    return objects, modules, optimizers
+    return engine, objects, modules, optimizers
 
 
 def save(
@@ -51,14 +64,16 @@ def save(
     tag: str | None = None,
     exclude_frozen_parameters: bool = False,
 ) -> Path:
-    objects, _, _ = _engine_parts(backend, state)
+    from accelkit_deepspeed.checkpoint import engine_state_of
+
+    engine, objects, _, _ = _engine_parts(backend, state)
     client: dict[str, Any] = {
         "schedulers": {n: drop_callables(s.state_dict(), n) for n, s in objects.schedulers.items()},
         "statefuls": {n: s.state_dict() for n, s in objects.statefuls.items()},
         "extras": dict(objects.extras),
-        "backend": backend.state_dict(),
+        "backend": engine_state_of(backend, engine),
     }
-    backend.engine.save_checkpoint(
+    engine.save_checkpoint(
         str(path),
         tag=tag,
         client_state={CLIENT_KEY: client},
@@ -82,8 +97,10 @@ def load(
             "carries. Pass trust_pickle=True only for a checkpoint you trust, or convert it "
             "once with `accelkit convert --trust-pickle` and load the portable copy."
         )
-    objects, _, optimizers = _engine_parts(backend, state)
-    load_path, client = backend.engine.load_checkpoint(
+    from accelkit_deepspeed.checkpoint import load_engine_state_of
+
+    engine, objects, _, optimizers = _engine_parts(backend, state)
+    load_path, client = engine.load_checkpoint(
         str(path),
         tag=tag,
         load_module_strict=strict,
@@ -115,7 +132,7 @@ def load(
     for name in objects.extras:
         if name in saved.get("extras", {}):
             state[name] = saved["extras"][name]
-    backend.load_state_dict(saved.get("backend", {}))
+    load_engine_state_of(backend, engine, saved.get("backend", {}))
     unconsumed: dict[str, Any] = {}
     for group in ("schedulers", "statefuls", "extras"):
         for name, value in saved.get(group, {}).items():
