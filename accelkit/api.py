@@ -9,7 +9,6 @@ from accelkit import registry
 from accelkit.accelerator import Accelerator
 from accelkit.backend import Settings
 from accelkit.log import configure
-from accelkit.precision import normalize_precision
 from accelkit.seed import seed_everything
 
 
@@ -57,7 +56,7 @@ def get(
     overrides = {**spec.defaults, **options}
     backend_options = backend_cls.parse_config(name, config, overrides)
     settings = Settings(
-        precision=normalize_precision(precision),
+        precision=backend_cls.parse_precision(name, precision),
         accumulation_steps=accumulation_steps,
         max_grad_norm=max_grad_norm,
         seed=seed,

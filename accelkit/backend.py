@@ -19,7 +19,13 @@ import torch.distributed as dist
 from accelkit import distributed
 from accelkit.config import build_options
 from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.precision import NATIVE_DTYPES, PRECISIONS, DtypeRow, Precision
+from accelkit.precision import (
+    NATIVE_DTYPES,
+    PRECISIONS,
+    DtypeRow,
+    Precision,
+    normalize_precision,
+)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,13 @@ class Backend:
     def parse_config(cls, name: str, config: Any, overrides: dict[str, Any]) -> Any:
         """Validate the user's config; backends with a native config format override this."""
         return build_options(cls.options_class, f"backend {name!r}", config, overrides)
+
+    @classmethod
+    def parse_precision(cls, name: str, precision: str | int | None) -> str | None:
+        """The canonical string for the user's ``precision=`` (None stays None). A backend
+        overrides this to explain a value its own library took (Apex's ``"O1"``) before the
+        generic unknown-precision error."""
+        return normalize_precision(precision)
 
     @classmethod
     def resolve_settings(cls, name: str, options: Any, settings: Settings) -> Settings:

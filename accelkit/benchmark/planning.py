@@ -6,7 +6,9 @@ The model is built on the meta device (no memory, no download) and traced there
 estimated too. A configuration fits when its per-GPU peak is at most ``(1 - headroom)`` of the
 GPU's memory and, for offload, the host memory of all its processes fits the same way. The
 recommendation is the configuration with the lowest stated relative step time among those
-that fit, the smaller peak breaking ties.
+that fit, the smaller peak, then the fewer libraries to install, breaking ties. An estimate may say it was made at another precision
+(``"precision"``: the backend does not run the one asked for, e.g. Gemini has no ``-mixed``) and
+carry a ``"note"``: such a row is shown, with its note, and never recommended.
 """
 
 from __future__ import annotations
@@ -42,12 +44,19 @@ class Candidate:
     fits: bool = False
     why_not: str = ""
     note: str = ""  # e.g. "library missing: pip install ..."
+    #: the libraries the backend needs (fewer breaks a tie: torch DDP before a plugin's DDP)
+    libraries: tuple[str, ...] = ()
 
 
 def _estimate(host: Any, backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:
     return host.pm.hook.accelkit_estimate_memory(
         backend=backend, model_stats=stats, options=options
     )
+
+
+def _note(note: str, estimate: dict[str, Any]) -> str:
+    """The candidate's note: a missing library, then what the estimate itself says."""
+    return "; ".join(n for n in (note, estimate.get("note", "")) if n)
 
 
 def make_plan(request: PlanRequest) -> dict[str, Any]:
@@ -96,7 +105,16 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             continue
         if estimate is None:
             continue
-        candidates.append(Candidate(spec.name, spec.name, dict(spec.defaults), estimate, note=note))
+        candidates.append(
+            Candidate(
+                spec.name,
+                spec.name,
+                dict(spec.defaults),
+                estimate,
+                note=_note(note, estimate),
+                libraries=spec.requires,
+            )
+        )
         for variant in estimate.get("variants", ()):
             variant_options = {**spec.defaults, **variant["options"]}
             result = _estimate(
@@ -104,7 +122,16 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             )
             if result is not None:
                 label = f"{spec.name} {variant['label']}"
-                candidates.append(Candidate(spec.name, label, variant_options, result, note=note))
+                candidates.append(
+                    Candidate(
+                        spec.name,
+                        label,
+                        variant_options,
+                        result,
+                        note=_note(note, result),
+                        libraries=spec.requires,
+                    )
+                )
     budget = request.gpu_memory * (1 - request.headroom)
     for c in candidates:
         peak, host_bytes = c.estimate["peak"], c.estimate.get("host", 0)
@@ -115,10 +142,15 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             c.why_not = f"needs {host_total / GiB:.1f} GiB of host memory"
         else:
             c.fits = True
-    fitting = [c for c in candidates if c.fits]
+    # a row estimated at another precision than asked (the backend lacks it) is shown, not picked
+    fitting = [
+        c
+        for c in candidates
+        if c.fits and c.estimate.get("precision", request.precision) == request.precision
+    ]
     best = min(
         fitting,
-        key=lambda c: (c.estimate["relative_step_time"], c.estimate["peak"]),
+        key=lambda c: (c.estimate["relative_step_time"], c.estimate["peak"], len(c.libraries)),
         default=None,
     )
     return {
@@ -150,6 +182,13 @@ def _reason(
     if best is None:
         if not candidates:
             return "no backend gave an estimate"
+        elsewhere = [c.label for c in candidates if c.fits]
+        if elsewhere:
+            return (
+                f"{', '.join(elsewhere)} fit, but none of them runs {request.precision}: each "
+                "was estimated at the precision its note names. Ask for that precision to "
+                "compare it with the others."
+            )
         smallest = min(candidates, key=lambda c: c.estimate["peak"])
         hints = []
         if not request.activation_checkpointing:

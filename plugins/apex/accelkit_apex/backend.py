@@ -1,8 +1,9 @@
 """``apex``: one CUDA device, torch autocast + ``GradScaler`` precision (accelkit's own policy),
 the optimizer swapped for its fused Apex twin and, optionally, the norms for Apex's fused norms.
 
-Apex's ``amp`` (``opt_level`` O0-O3) was removed from Apex in May 2025; asking for it is refused
-with the precision string that gives the same effect (:func:`amp_removed`).
+Apex's ``amp`` (``opt_level`` O0-O3) was removed from Apex in May 2025; asking for it, as an amp
+option or as ``precision="O1"``, is refused with the precision string that gives the same effect
+(:func:`amp_removed`).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ OPT_LEVELS = {
 
 
 def amp_removed(backend: str, options: dict[str, Any]) -> str:
-    """Why ``opt_level`` / amp options are refused, and what to pass instead."""
-    given = ", ".join(f"{k}={options[k]!r}" for k in AMP_OPTIONS if k in options)
-    level = str(options.get("opt_level", "")).strip().upper()
+    """Why ``opt_level`` / amp options (or an opt level passed as ``precision=``) are refused,
+    and what to pass instead."""
+    given = ", ".join(f"{k}={options[k]!r}" for k in (*AMP_OPTIONS, "precision") if k in options)
+    level = str(options.get("opt_level", options.get("precision", ""))).strip().upper()
     if level in OPT_LEVELS:
         precision, meant = OPT_LEVELS[level]
         instead = f"opt_level {level!r} ({meant}) is precision={precision!r}"
@@ -72,6 +74,11 @@ def amp_removed(backend: str, options: dict[str, Any]) -> str:
         "(GradScaler: 2**16 to start, halved on overflow, doubled after 2000 good steps) and "
         "is saved in every checkpoint; batch norms keep fp32 weights under -mixed"
     )
+
+
+def is_opt_level(precision: Any) -> bool:
+    """``"O0"`` ... ``"O3"`` in any case: amp's opt levels, which some users pass as precision."""
+    return isinstance(precision, str) and precision.strip().upper() in OPT_LEVELS
 
 
 def refuse_amp_options(name: str, config: Any, overrides: dict[str, Any]) -> None:
@@ -156,6 +163,13 @@ class ApexBackend(SingleDeviceBackend):
     def parse_config(cls, name: str, config: Any, overrides: dict[str, Any]) -> Any:
         refuse_amp_options(name, config, overrides)
         return super().parse_config(name, config, overrides)
+
+    @classmethod
+    def parse_precision(cls, name: str, precision: str | int | None) -> str | None:
+        """``precision="O1"`` (amp's opt level) gets amp's refusal, with the string to pass."""
+        if is_opt_level(precision):
+            raise ConfigError(amp_removed(name, {"precision": precision}))
+        return super().parse_precision(name, precision)
 
     def __init__(self, name: str, options: Any, settings: Any) -> None:
         super().__init__(name, options, settings)

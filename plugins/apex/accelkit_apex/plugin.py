@@ -38,3 +38,12 @@ def accelkit_env_report() -> dict[str, Any]:
     except metadata.PackageNotFoundError:
         own = None
     return {**env_report(), "accelkit-apex": own}
+
+
+@accelkit.hookimpl
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    if backend not in ("apex", "apex_distributed_adam"):
+        return None
+    from accelkit_apex.memory import estimate  # no apex import
+
+    return estimate(backend, model_stats, options)

@@ -128,6 +128,46 @@ def test_opt_level_says_amp_was_removed_and_what_to_pass(fake_apex, name, level,
         accelkit.get(name, config={"opt_level": level})
 
 
+@pytest.mark.parametrize(
+    ("level", "precision"),
+    [
+        ("O0", "32-true"),
+        ("O1", "16-mixed"),
+        ("O2", "16-mixed"),
+        ("O3", "16-true"),
+        ("o1", "16-mixed"),
+        ("o3", "16-true"),
+    ],
+)
+@pytest.mark.parametrize("name", ["apex", "apex_distributed_adam"])
+def test_an_opt_level_as_precision_gets_amps_message(fake_apex, name, level, precision):
+    with pytest.raises(ConfigError) as err:
+        accelkit.get(name, precision=level)
+    message = str(err.value)
+    assert message.startswith(f"backend {name!r}: precision={level!r}: Apex removed apex.amp")
+    assert "May 2025" in message and f"is precision={precision!r}" in message
+    assert "unknown precision" not in message
+    # word for word what opt_level= gets, after the part that names what was passed
+    with pytest.raises(ConfigError) as via_option:
+        accelkit.get(name, opt_level=level)
+    assert message.split(": ", 2)[2] == str(via_option.value).split(": ", 2)[2]
+
+
+def test_other_precision_errors_stay_generic(fake_apex):
+    """Only amp's opt levels get amp's message: an unknown string on apex, and an opt level on a
+    backend that is not Apex's, get the core's unknown-precision error."""
+    with pytest.raises(ConfigError, match=r"unknown precision 'O4'") as err:
+        accelkit.get("apex", precision="O4")
+    assert "apex.amp" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"unknown precision 'O1'") as err:
+        accelkit.get("cpu", precision="O1")
+    assert "apex.amp" not in str(err.value)
+    from accelkit_apex.backend import ApexBackend
+
+    assert ApexBackend.parse_precision("apex", "bf16") == "bf16-mixed"  # aliases still work
+    assert ApexBackend.parse_precision("apex", None) is None
+
+
 @pytest.mark.parametrize("option", ["loss_scale", "keep_batchnorm_fp32", "master_weights"])
 def test_other_amp_options_are_refused_the_same_way(fake_apex, option):
     with pytest.raises(ConfigError, match=rf"{option}=.*removed apex.amp.*'16-mixed'"):

@@ -61,3 +61,12 @@ def accelkit_env_report() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[dist_name] = None
     return versions
+
+
+@accelkit.hookimpl
+def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
+    if backend not in BACKENDS:
+        return None
+    from accelkit_colossalai.memory import estimate  # no colossalai import
+
+    return estimate(backend, model_stats, options)
