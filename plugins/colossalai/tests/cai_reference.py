@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 from typing import Any
 
 import torch
@@ -188,7 +189,15 @@ def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
         _cpu_workaround()
     out = {}
     for cfg in cfgs:
-        out[cfg["name"]] = run({**cfg, "device": device.type})
+        if not cfg.get("catch"):
+            out[cfg["name"]] = run({**cfg, "device": device.type})
+            continue
+        try:  # one launch holds the whole GPU matrix: a failing run must not hide the others
+            out[cfg["name"]] = run({**cfg, "device": device.type})
+        except Exception as err:  # reported to the test, which fails on it
+            out[cfg["name"]] = {
+                "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"
+            }
     dist.destroy_process_group()
     return out
 

@@ -33,6 +33,15 @@ LR = 0.05  # the workers' learning rate
 RUNS = [
     ("gemini_bf16", "colossalai_gemini", {}, "bf16-true", "booster_gemini", {"precision": "bf16"}),
     ("gemini_fp16", "colossalai_gemini", {}, "16-true", "booster_gemini", {"precision": "fp16"}),
+    # Gemini without accumulation too: it separates the accumulation path from the rest
+    (
+        "gemini_bf16_acc1",
+        "colossalai_gemini",
+        {},
+        "bf16-true",
+        "booster_gemini",
+        {"precision": "bf16"},
+    ),
     (
         "zero1_bf16",
         "colossalai_zero",
@@ -69,13 +78,24 @@ RUNS = [
 ]
 
 
+def _accumulation(name: str) -> int:
+    return 1 if name.endswith("_acc1") else 2
+
+
 @pytest.fixture(scope="module")
 def training():
     reference = run_ranks(
         "cai_reference:runs",
         {
             "cfgs": [
-                dict(name=name, kind=kind, accumulation=2, max_norm=0.5, **extra)
+                dict(
+                    name=name,
+                    kind=kind,
+                    accumulation=_accumulation(name),
+                    max_norm=0.5,
+                    catch=True,
+                    **extra,
+                )
                 for name, _b, _o, _p, kind, extra in RUNS
             ]
         },
@@ -91,8 +111,9 @@ def training():
                     backend=backend,
                     options=options,
                     precision=precision,
-                    accumulation=2,
+                    accumulation=_accumulation(name),
                     max_norm=0.5,
+                    catch=True,
                 )
                 for name, backend, options, precision, _k, _e in RUNS
             ]
@@ -106,6 +127,8 @@ def training():
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
 def test_matches_raw_booster_on_gpu(training, name):
     reference, ours = training
+    assert "error" not in reference[name], f"raw ColossalAI failed: {reference[name].get('error')}"
+    assert "error" not in ours[name], f"accelkit failed: {ours[name].get('error')}"
     assert ours[name]["losses"] == reference[name]["losses"]
     assert ours[name]["params"] == reference[name]["params"]
     if "fp16" in name:
@@ -131,20 +154,23 @@ def checkpoints(tmp_path_factory):
         "cai_workers:ckpt_jobs",
         {
             "jobs": [
-                dict(name="gemini", save_to=ck["gemini"], **gemini, **common),
-                dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
-                dict(
-                    name="zbf",
-                    backend="colossalai_zero",
-                    options={"stage": 2},
-                    precision="bf16-true",
-                    save_to=ck["zbf"],
-                    **common,
-                ),
-                dict(name="gemini<-gemini", load_from=ck["gemini"], **gemini, **resume),
-                dict(name="ddp<-gemini", backend="ddp", load_from=ck["gemini"], **resume),
-                dict(name="gemini<-ddp", load_from=ck["ddp"], **gemini, **resume),
-                dict(name="ddp<-zbf", backend="ddp", load_from=ck["zbf"], **resume),
+                {**job, "catch": True}
+                for job in [
+                    dict(name="gemini", save_to=ck["gemini"], **gemini, **common),
+                    dict(name="ddp", backend="ddp", save_to=ck["ddp"], **common),
+                    dict(
+                        name="zbf",
+                        backend="colossalai_zero",
+                        options={"stage": 2},
+                        precision="bf16-true",
+                        save_to=ck["zbf"],
+                        **common,
+                    ),
+                    dict(name="gemini<-gemini", load_from=ck["gemini"], **gemini, **resume),
+                    dict(name="ddp<-gemini", backend="ddp", load_from=ck["gemini"], **resume),
+                    dict(name="gemini<-ddp", load_from=ck["ddp"], **gemini, **resume),
+                    dict(name="ddp<-zbf", backend="ddp", load_from=ck["zbf"], **resume),
+                ]
             ]
         },
         nproc=1,
@@ -153,8 +179,14 @@ def checkpoints(tmp_path_factory):
     return out, root
 
 
+def _ok(out: dict, *names: str) -> None:
+    for name in names:
+        assert "error" not in out[name], f"{name}: {out[name].get('error')}"
+
+
 def test_gemini_checkpoint_is_marked_gathered(checkpoints):
-    _, root = checkpoints
+    out, root = checkpoints
+    _ok(out, "gemini")
     manifest = json.loads((Path(root) / "gemini" / "accelkit.json").read_text())
     params = [t for t in manifest["tensors"] if t["kind"] == "param"]
     assert params and all(t.get("gathered") for t in params)
@@ -163,8 +195,8 @@ def test_gemini_checkpoint_is_marked_gathered(checkpoints):
 
 def test_gemini_resumes_itself_exactly(checkpoints):
     out, _ = checkpoints
+    _ok(out, "gemini", "gemini<-gemini")
     resumed, original = out["gemini<-gemini"], out["gemini"]
-    assert "error" not in resumed, resumed.get("error")
     assert resumed["after_load"] == original["at_save"]
     for step in ("5", "6", "7"):
         assert resumed["losses"][step] == original["losses"][step]
@@ -172,8 +204,8 @@ def test_gemini_resumes_itself_exactly(checkpoints):
 
 def test_gemini_state_reaches_ddp_and_back(checkpoints):
     out, _ = checkpoints
+    _ok(out, "gemini", "ddp", "ddp<-gemini", "gemini<-ddp")
     into_ddp, gemini = out["ddp<-gemini"], out["gemini"]
-    assert "error" not in into_ddp, into_ddp.get("error")
     assert into_ddp["after_load"]["optim"] == gemini["at_save"]["optim"]
     for key, values in into_ddp["after_load"]["params"].items():  # fp32 master -> bf16 weights
         assert _bf16(values) == gemini["at_save"]["params"][key]
@@ -185,6 +217,7 @@ def test_gemini_state_reaches_ddp_and_back(checkpoints):
 
 def test_zero_bf16_master_reaches_ddp(checkpoints):
     out, _ = checkpoints
+    _ok(out, "zbf", "ddp<-zbf")
     into_ddp, zbf = out["ddp<-zbf"], out["zbf"]
     assert into_ddp["after_load"]["optim"] == zbf["at_save"]["optim"]
     masters = [v for shard in zbf["masters_at_save"] for v in shard]

@@ -105,6 +105,7 @@ def _wrap(mode: str, model: torch.nn.Module, lr: float, cfg: dict[str, Any]) -> 
             bucket_cap_mb=25 if device == "cuda" else 0,  # gloo rejects FairScale's 2-D bucket
             mixed_precision=mixed,
             compute_dtype=torch.float16 if mixed else None,
+            move_params_to_cpu=cfg.get("move_params_to_cpu", False),
         )
         for index in range(len(model.blocks)):  # one nested unit per block, then the root
             model.blocks[index] = FullyShardedDataParallel(model.blocks[index], **kwargs)
@@ -146,7 +147,8 @@ def train(
 
         fairscale_cpu_shim.apply()
     torch.manual_seed(SEED)
-    model = Net().to(device)
+    # with move_params_to_cpu FairScale keeps the fp32 shards on the CPU: hand it a CPU model
+    model = Net() if cfg.get("move_params_to_cpu") else Net().to(device)
     wrapped, optimizer = _wrap(mode, model, LR, cfg)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     fsdp_casts = mode == "fsdp" and cfg.get("fsdp_mixed", False)

@@ -247,7 +247,17 @@ def gpu_runs() -> dict[str, Any]:
                     cfg={**cuda, "no_sync": False},
                     **GPU_COMMON,
                 ),
-            }
+                # move_params_to_cpu, accumulating under no_sync as accelkit does, and without
+                "fsdp_offload": dict(
+                    mode="fsdp", cfg={**cuda, "move_params_to_cpu": True}, **GPU_COMMON
+                ),
+                "fsdp_offload_sync": dict(
+                    mode="fsdp",
+                    cfg={**cuda, "move_params_to_cpu": True, "no_sync": False},
+                    **GPU_COMMON,
+                ),
+            },
+            "catch": True,
         },
         nproc=1,
     )[0]
@@ -275,10 +285,11 @@ def gpu_runs() -> dict[str, Any]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["fsdp", "fsdp_fp16", "fsdp_bf16"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_fp16", "fsdp_bf16", "fsdp_offload"])
 def test_matches_raw_fairscale_fsdp_gpu(gpu_runs, name):
     from test_fairscale_oss_sdp import compare
 
+    assert "error" not in gpu_runs["raw"][name], gpu_runs["raw"][name]["error"]
     diffs = compare(gpu_runs["accel"][name], gpu_runs["raw"][name])
     print(name, "vs raw FairScale FSDP on the GPU", diffs)
     assert max(diffs.values()) <= GPU_SAME_RTOL, diffs
@@ -292,6 +303,12 @@ def test_fp32_matches_ddp_gpu(gpu_runs, name):
 
     diffs = compare(gpu_runs["accel"][name], gpu_runs["raw"]["ddp"])
     print(name, "vs ddp on the GPU", diffs)
+    for raw in ("fsdp_offload", "fsdp_offload_sync"):  # what raw FairScale gives, for the record
+        if "error" not in gpu_runs["raw"][raw]:
+            print(
+                f"raw {raw} vs ddp on the GPU",
+                compare(gpu_runs["raw"][raw], gpu_runs["raw"]["ddp"]),
+            )
     assert max(diffs.values()) <= GPU_DDP_RTOL, diffs
 
 
