@@ -163,7 +163,7 @@ def test_fp16_with_loss_scaling(real_apex):
     ref = raw(torch.float16, scaler=True, max_norm=1.0, overflow_at=overflow, data=data)
     accel = accelkit.get("apex", precision="16-mixed", fused_norm=True, max_grad_norm=1.0)
     model = _net()
-    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model), lr=LR))
+    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model, LR), lr=LR))
     got = train_accel(accel, model, data, overflow_at=overflow)
     skipped = [i for i, s in enumerate(got["skipped"]) if s]
     ref_skipped = [i for i, s in enumerate(ref["skipped"]) if s]
@@ -276,13 +276,15 @@ def test_distributed_fused_adam_on_one_gpu(real_apex, tmp_path, max_norm):
     floor = rel(ref_fp32["losses"], ref["losses"])
     accel = accelkit.get("apex_distributed_adam", precision="bf16-mixed", max_grad_norm=max_norm)
     model = _net()
-    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model), lr=LR))
+    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model, LR), lr=LR))
     got = train_accel(accel, model, data)
     state, step = _dfa_state(opt.optimizer, model)
     accel.save(tmp_path / "dfa", {"model": model, "optimizer": opt})
     cuda = accelkit.get("cuda", precision="bf16-mixed")
     model2 = _net()
-    model2, opt2 = cuda.setup(model2, torch.optim.AdamW(param_groups(model2), lr=LR, fused=True))
+    model2, opt2 = cuda.setup(
+        model2, torch.optim.AdamW(param_groups(model2, LR), lr=LR, fused=True)
+    )
     cuda.load(tmp_path / "dfa", {"model": model2, "optimizer": opt2})
     exact = all(
         torch.equal(opt2.optimizer.state[p][k].cpu(), state[n][k])
@@ -309,7 +311,7 @@ def test_distributed_fused_adam_fp16_overflow(real_apex):
     data = _data(12)
     accel = accelkit.get("apex_distributed_adam", precision="16-mixed", track_grad_norm=True)
     model = _net()
-    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model), lr=LR))
+    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model, LR), lr=LR))
     got = train_accel(accel, model, data, overflow_at=(5,))
     figures = dict(
         skipped=[i for i, s in enumerate(got["skipped"]) if s],

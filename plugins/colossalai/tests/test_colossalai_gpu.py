@@ -91,6 +91,7 @@ def training():
                 dict(
                     name=name,
                     kind=kind,
+                    device="cuda",  # the reference's default is the CPU (gloo + CPU accelerator)
                     accumulation=_accumulation(name),
                     max_norm=0.5,
                     catch=True,
@@ -207,12 +208,13 @@ def test_gemini_state_reaches_ddp_and_back(checkpoints):
     _ok(out, "gemini", "ddp", "ddp<-gemini", "gemini<-ddp")
     into_ddp, gemini = out["ddp<-gemini"], out["gemini"]
     assert into_ddp["after_load"]["optim"] == gemini["at_save"]["optim"]
-    for key, values in into_ddp["after_load"]["params"].items():  # fp32 master -> bf16 weights
-        assert _bf16(values) == gemini["at_save"]["params"][key]
+    # Gemini's own state_dict gathers its fp32 master chunks (measured on the H200: the values
+    # are not bf16-representable), and the checkpoint carries the same masters: ddp gets them
+    # bit for bit, and Gemini takes ddp's fp32 weights as its masters bit for bit
+    assert into_ddp["after_load"]["params"] == gemini["at_save"]["params"]
     into_gemini, ddp = out["gemini<-ddp"], out["ddp"]
     assert into_gemini["after_load"]["optim"] == ddp["at_save"]["optim"]
-    for key, values in ddp["at_save"]["params"].items():
-        assert into_gemini["after_load"]["params"][key] == _bf16(values)
+    assert into_gemini["after_load"]["params"] == ddp["at_save"]["params"]
 
 
 def test_zero_bf16_master_reaches_ddp(checkpoints):

@@ -186,6 +186,7 @@ class FairScaleFSDPBackend(Backend):
     def __init__(self, name: str, options: Any, settings: Any) -> None:
         super().__init__(name, options, settings)
         self._roots: list[Any] = []
+        self._hold_sync = False  # this backward runs under no_sync (see before_backward)
 
     # ---- launch -------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -369,6 +370,18 @@ class FairScaleFSDPBackend(Backend):
         """Skip the reduce-scatter: full-size gradients accumulate locally until the window closes."""
         root = self._root_of(model)
         return root.no_sync() if root is not None else contextlib.nullcontext()
+
+    def before_backward(self, model: torch.nn.Module | None, *, closes_window: bool) -> None:
+        # FairScale 0.4.13 with move_params_to_cpu copies each synced backward's gradient shard
+        # over the last one (p._cpu_grad): accumulating outside no_sync keeps only the window's
+        # last micro-batch (measured on the H200: raw FairScale that way is 1.9x off DDP's loss,
+        # under no_sync 2.6e-7). So inside a window its micro-batches always run under no_sync.
+        self._hold_sync = bool(self.options.move_params_to_cpu and not closes_window)
+
+    def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
+        hold, self._hold_sync = self._hold_sync, False
+        with self.no_sync(model) if hold else contextlib.nullcontext():
+            super().backward(loss, model, **kwargs)
 
     def grad_norm(
         self,
