@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks, worker_env
-from torch import nn
 
 import accelkit
 from accelkit.benchmark import runner
+from accelkit.benchmark.hook_testing import ONE_LINEAR, ONE_LINEAR_PARAMS
 from accelkit.benchmark.memory import model_stats, parse_size
-from accelkit.benchmark.workloads import Workload, get_workload
+from accelkit.benchmark.workloads import get_workload
 from accelkit.cli import main as cli_main
 
 HERE = Path(__file__).resolve().parent
@@ -71,19 +71,7 @@ def estimate(backend: str, stats: dict[str, Any], **options: Any) -> dict[str, A
 
 
 # ---- hand computations --------------------------------------------------------------------------
-class OneLinear(nn.Module):
-    """Exactly 1,000,000 parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(1000, 1000, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x).square().mean()
-
-
-ONE_LINEAR = Workload("one-linear", OneLinear, lambda b, g: (torch.randn(b, 1000, generator=g),))
-P = 1_000_000
+P = ONE_LINEAR_PARAMS
 
 
 @pytest.fixture(scope="module")

@@ -18,27 +18,17 @@ import textwrap
 from typing import Any
 
 import pytest
-import torch
 from apex_testlib import FAKE_ROOT
-from torch import nn
 
+from accelkit.benchmark.hook_testing import (
+    ONE_LINEAR,
+    ONE_LINEAR_PARAMS,
+    estimate_through_hooks,
+)
 from accelkit.benchmark.memory import model_stats
-from accelkit.benchmark.workloads import Workload
 from accelkit.cli import main as cli_main
 
-P = 1_000_000
-
-
-class OneLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(1000, 1000, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x).square().mean()
-
-
-ONE_LINEAR = Workload("one-linear", OneLinear, lambda b, g: (torch.randn(b, 1000, generator=g),))
+P = ONE_LINEAR_PARAMS
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +36,7 @@ def stats() -> dict[str, dict[str, Any]]:
     return {p: model_stats(ONE_LINEAR, 4, p) for p in ("32-true", "bf16-true", "16-true")}
 
 
-def estimate(backend: str, stats: dict[str, Any], **options: Any) -> Any:
-    from accelkit import registry
-
-    host = registry.host()
-    host.ensure_loaded()
-    base = {
-        "world_size": 1,
-        "precision": stats["precision"],
-        "optimizer": "adamw",
-        "device_type": "cuda",
-        "backend_options": {},
-    }
-    base.update(options)
-    return host.pm.hook.accelkit_estimate_memory(backend=backend, model_stats=stats, options=base)
+estimate = estimate_through_hooks
 
 
 def terms(e: dict[str, Any]) -> tuple[int, int, int, int]:
