@@ -107,16 +107,18 @@ def test_distributed_adam_needs_its_build_flag(apex_variant, pretend_cuda):
 
 
 # ---- Apex's removed amp ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("level", "precision"),
-    [
-        ("O0", "32-true"),
-        ("O1", "16-mixed"),
-        ("O2", "16-mixed"),
-        ("O3", "16-true"),
-        ("o1", "16-mixed"),
-    ],
-)
+#: amp's opt_level -> the precision string with the same effect (either case)
+AMP_LEVELS = [
+    ("O0", "32-true"),
+    ("O1", "16-mixed"),
+    ("O2", "16-mixed"),
+    ("O3", "16-true"),
+    ("o1", "16-mixed"),
+    ("o3", "16-true"),
+]
+
+
+@pytest.mark.parametrize(("level", "precision"), AMP_LEVELS)
 @pytest.mark.parametrize("name", ["apex", "apex_distributed_adam"])
 def test_opt_level_says_amp_was_removed_and_what_to_pass(fake_apex, name, level, precision):
     with pytest.raises(ConfigError) as err:
@@ -128,17 +130,7 @@ def test_opt_level_says_amp_was_removed_and_what_to_pass(fake_apex, name, level,
         accelkit.get(name, config={"opt_level": level})
 
 
-@pytest.mark.parametrize(
-    ("level", "precision"),
-    [
-        ("O0", "32-true"),
-        ("O1", "16-mixed"),
-        ("O2", "16-mixed"),
-        ("O3", "16-true"),
-        ("o1", "16-mixed"),
-        ("o3", "16-true"),
-    ],
-)
+@pytest.mark.parametrize(("level", "precision"), AMP_LEVELS)
 @pytest.mark.parametrize("name", ["apex", "apex_distributed_adam"])
 def test_an_opt_level_as_precision_gets_amps_message(fake_apex, name, level, precision):
     with pytest.raises(ConfigError) as err:
