@@ -20,7 +20,6 @@ Bytes per device, ``P`` parameters, ``T`` trainable, ``N`` ranks, ``s`` the para
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 SPEED = {
@@ -37,21 +36,15 @@ ALIGN_BYTES = 128
 
 
 def option_values(backend: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The backend's options: its dataclass defaults with ``given`` on top; unknown names fail."""
+    """The backend's options as ``accelkit.get`` validates them (defaults, types; an unknown
+    name is a ConfigError naming the closest valid one), as a dict."""
+    from accelkit.config import build_options, options_as_dict
+
     if backend == "apex":
         from accelkit_apex.backend import ApexOptions as cls
     else:
         from accelkit_apex.distributed_adam import DistributedAdamOptions as cls
-    values = {
-        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
-    }
-    unknown = sorted(set(given) - set(values))
-    if unknown:
-        raise ValueError(
-            f"{backend}: unknown option(s) {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(values))}"
-        )
-    return {**values, **given}
+    return options_as_dict(build_options(cls, f"backend {backend!r}", None, given))
 
 
 def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:

@@ -27,8 +27,8 @@ parameters (LowLevelZero pads every parameter to a multiple of ``N``: ``S = sum(
   the parameter chunks (ColossalAI ignores it otherwise); ``"auto"`` keeps master and optimizer on
   the CPU and fills the GPU with parameter chunks up to ``steady_cuda_cap_ratio``: the estimate is
   the least it needs.
-- ``colossalai_hybrid``: ``tp_size * pp_size`` divides the parameters, the data-parallel size
-  ``N / (tp * pp * sp)`` the ZeRO shards; ``zero_stage=0`` is DDP (buckets as on colossalai_ddp)
+- ``colossalai_hybrid``: ``tp_size`` divides the parameters (``pp_size`` must be 1, as at
+  ``accelkit.get``), the data-parallel size ``N / (tp * sp)`` the ZeRO shards; ``zero_stage=0`` is DDP (buckets as on colossalai_ddp)
   with an fp32 master for ``-true``; 1/2 the LowLevelZero terms. The activation term under tensor
   parallelism is approximate (Megatron's split: 24 of every 34 bytes of a transformer layer's
   activations divided by ``tp_size``, all of them with sequence parallelism).
@@ -40,7 +40,6 @@ is estimated at its ``-true`` twin and says so (``precision`` and ``note`` in th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from accelkit_colossalai import options as opts
@@ -69,23 +68,11 @@ OFFLOAD_SPEED = 3.0
 
 
 def option_values(backend: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The backend's options: its dataclass defaults with ``given`` on top; unknown names fail
-    as they do at ``accelkit.get`` (the user's typo must not pass as a default)."""
-    cls = BACKENDS[backend][0]
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            values[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            values[f.name] = f.default_factory()
-    unknown = sorted(set(given) - set(values))
-    if unknown:
-        raise ValueError(
-            f"{backend}: unknown option(s) {', '.join(map(repr, unknown))}; valid: "
-            f"{', '.join(sorted(values))}"
-        )
-    values.update(given)
-    return values
+    """The backend's options as ``accelkit.get`` validates them (defaults, types; an unknown
+    name is a ConfigError naming the closest valid one: a typo must not pass as a default)."""
+    from accelkit.config import build_options, options_as_dict
+
+    return options_as_dict(build_options(BACKENDS[backend][0], f"backend {backend!r}", None, given))
 
 
 def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:
@@ -398,17 +385,15 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
     from accelkit.benchmark.memory import trace_kind
 
     N, s, k, foreach, precision = _common(stats, options)
-    tp, pp = max(1, int(o["tp_size"])), max(1, int(o["pp_size"]))
+    tp = max(1, int(o["tp_size"]))  # pp_size > 1 is refused, as at accelkit.get
     sp_on = bool(o["enable_sequence_parallelism"])
     mode = o["sequence_parallelism_mode"] or ("all_to_all" if sp_on else None)
     sp = int(o["sp_size"] or 1) if sp_on and mode in ("all_to_all", "ring_attn") else 1
-    if N % (tp * pp * sp):
-        raise ValueError(
-            f"colossalai_hybrid: {N} GPUs are not divisible by tp*pp*sp={tp * pp * sp}"
-        )
-    dp = N // (tp * pp * sp)
+    if N % (tp * sp):
+        raise ValueError(f"colossalai_hybrid: {N} GPUs are not divisible by tp*sp={tp * sp}")
+    dp = N // (tp * sp)
     zero = int(o["zero_stage"])
-    P_l, T_l = stats["params"] // (tp * pp), stats["trainable_params"] // (tp * pp)
+    P_l, T_l = stats["params"] // tp, stats["trainable_params"] // tp
     if sp_on and mode in ("split_gather", "ring"):
         act = 1.0 / tp
     else:
@@ -420,14 +405,8 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
             "activations approximate under tensor/sequence parallelism (Megatron's split); "
             "tp_size needs a model Shardformer has a policy for"
         )
-    if pp > 1:
-        notes.append(
-            "pp_size > 1 is shown for comparison only: accelkit.get refuses it "
-            "(pipeline parallelism runs inside booster.execute_pipeline); activations not "
-            "divided by pp (1F1B keeps pp micro-batches of a stage's layers)"
-        )
     if zero in (1, 2):
-        shard = _padded_shard(stats, dp, tp * pp)
+        shard = _padded_shard(stats, dp, tp)
         bucket = int(o["zero_bucket_size_in_m"]) * MiB_ELEMENTS
         result = _low_level_zero(
             stats,
@@ -445,11 +424,11 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
             bucket=bucket,
             activation_factor=act,
         )
-        if dp == 1 and pp == 1:  # the plugin wraps in DDP here too (a group of one)
+        if dp == 1:  # the plugin wraps in DDP here too (a group of one)
             result["grads"] += T_l * s
             result["peak"] += T_l * s
         formula = (
-            f"LowLevelZero stage {zero} over dp={dp} on P/(tp*pp): P*s/(tp*pp) + (4S + k*4*S) "
+            f"LowLevelZero stage {zero} over dp={dp} on P/tp: P*s/tp + (4S + k*4*S) "
             "+ max(traced step x activation factor, grads + fp32 copy + temp)"
         )
         speed, note = (
@@ -461,17 +440,16 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
             speed, note = OFFLOAD_SPEED, "optimizer step on the CPU; traffic over PCIe every step"
     else:
         params = P_l * s + stats["buffer_bytes"]
-        use_ddp = (dp > 1 and pp == 1) or (dp == 1 and pp == 1)
         bucket_view = bool(o["plugin_kwargs"].get("gradient_as_bucket_view", False))
         master = 4 * T_l if s != 4 else 0  # HybridParallelAMPOptimizer's fp32 master (-true)
         state_bytes = 4
         optimizer = k * state_bytes * T_l
         temp = foreach * state_bytes * T_l
-        buckets = T_l * s if use_ddp else 0
+        buckets = T_l * s  # the plugin always wraps in DDP without pipeline parallelism
         grads = T_l * s
-        dynamic = int(act * stats["step_peak"](kind, 0.0 if use_ddp and bucket_view else 1.0, 1.0))
+        dynamic = int(act * stats["step_peak"](kind, 0.0 if bucket_view else 1.0, 1.0))
         # the step: fp32 copies of the gradients for the master (-true), then the temporary
-        step = (0 if use_ddp and bucket_view else grads) + (4 * T_l if master else 0) + temp
+        step = (0 if bucket_view else grads) + (4 * T_l if master else 0) + temp
         result = {
             "params": params,
             "grads": grads + (buckets if not bucket_view else 0),
@@ -482,7 +460,7 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
             "host": 0,
         }
         formula = (
-            "P*s/(tp*pp) + T*s DDP buckets + grads T*s + (4T master with -true) + k*4*T "
+            "P*s/tp + T*s DDP buckets + grads T*s + (4T master with -true) + k*4*T "
             "+ max(traced step x activation factor, grads + 4T fp32 copy + temp)"
         )
         speed, note = 1.0, "torch DDP over the data-parallel group"
@@ -490,7 +468,7 @@ def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
         speed, note = speed + 0.2, note + "; tensor-parallel collectives in every layer"
     result.update(
         world_size=N,
-        formula=formula + f"  (s={s}, k={k}, tp={tp}, pp={pp}, sp={sp}, dp={dp}, "
+        formula=formula + f"  (s={s}, k={k}, tp={tp}, sp={sp}, dp={dp}, "
         f"activation factor {act:.3f})",
     )
     if notes:

@@ -156,6 +156,10 @@ class DeepSpeedBackend(Backend):
     def engine_of(self, model: torch.nn.Module | None) -> Any:
         """The engine of ``model`` (the one ``setup`` returned, or the module inside it); with
         ``model=None``, the only engine that trains."""
+        return self._record_for(model).engine
+
+    def _record_for(self, model: torch.nn.Module | None) -> _EngineRecord:
+        """:meth:`engine_of`'s record, or the error that says which model to pass."""
         if not self._records:
             raise UnsupportedError(
                 f"{self.name}: call accel.setup(model, optimizer) before training"
@@ -163,7 +167,7 @@ class DeepSpeedBackend(Backend):
         if model is None:
             trained = [r for r in self._records if r.trains] or self._records
             if len(trained) == 1:
-                return trained[0].engine
+                return trained[0]
             raise ConfigError(
                 f"{self.name}: {len(trained)} models are set up, each in its own DeepSpeed "
                 "engine; say which one this loss trains: accel.backward(loss, model=...)"
@@ -174,7 +178,7 @@ class DeepSpeedBackend(Backend):
                 f"{self.name}: this {type(model).__name__} was not set up by this accelerator; "
                 "pass the model accel.setup() returned"
             )
-        return record.engine
+        return record
 
     def _engine_of_step(self, model: Any, optimizer: Any) -> Any:
         """The engine that owns ``optimizer`` (what ``setup`` returned for it)."""
@@ -360,10 +364,9 @@ class DeepSpeedBackend(Backend):
         Accelerator, with the window of that model's optimizer)."""
         if not self._records:
             return  # backward() says what is missing
-        engine = self.engine_of(model)
-        record = self._record_of(engine)
-        if record is not None and record.managed:
-            engine.set_gradient_accumulation_boundary(closes_window)
+        record = self._record_for(model)
+        if record.managed:
+            record.engine.set_gradient_accumulation_boundary(closes_window)
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
         if not self._records:
