@@ -103,8 +103,8 @@ for p in "$@"; do
     caibench)
       part caibench
       for b in colossalai_zero colossalai_gemini; do
-        PYTHONPATH=$CAI_SITE:$SITE timeout 200 torchrun --nproc-per-node 1 plugins/colossalai/bench/step_time.py --backend $b --repeats 5 > "$OUTDIR/cai-bench-$b.log" 2>&1
-        grep -E "ratio|Error" "$OUTDIR/cai-bench-$b.log" | tail -3
+        PYTHONPATH=$CAI_SITE:$SITE timeout 200 torchrun --nproc-per-node 1 plugins/colossalai/bench/step_time.py --backend $b --repeats 7 --profile > "$OUTDIR/cai-bench-$b.log" 2>&1
+        grep -E "ratio|Error|ms/step|ms:" "$OUTDIR/cai-bench-$b.log" | tail -8
       done ;;
     apextests)
       part apextests

@@ -7,12 +7,18 @@ test: it prints and asserts nothing.
 
 Each repeat trains STEPS steps raw, then STEPS through accelkit (the order alternates between
 repeats), timed with ``torch.cuda.synchronize()`` after warm-up steps. Reports the median
-per-step time of each and their ratio (accelkit / raw).
+per-step time of each, their ratio (accelkit / raw) and the spread [min, max] of the ratios of
+the repeats' pairs. ``--profile`` then says where a difference comes from: each side's host
+time per step (enqueueing only), its CUDA kernel time per step (torch.profiler) and the Python
+functions with the most own time (cProfile).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -94,6 +100,38 @@ def timed(step, x, y, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def profile(name: str, step, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    """Where one side's step time goes: host enqueue time, kernel time, top Python functions."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step(x, y)
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(x, y)
+        torch.cuda.synchronize()
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()) / steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step(x, y)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    print(
+        f"[{name}] host {statistics.median(host) * 1e3:.2f} ms/step (enqueue, median), "
+        f"CUDA kernels {kernel_us / 1e3:.2f} ms/step"
+    )
+    print("\n".join(text.getvalue().splitlines()[:30]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="colossalai_zero")
@@ -101,6 +139,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", action="store_true", help="say where each side's time goes")
     args = parser.parse_args()
     # accelkit first: its get() joins the process group the raw Booster needs too
     steps = {
@@ -117,10 +156,17 @@ def main() -> None:
         for name in order:
             times[name].append(timed(steps[name], x, y, args.steps))
     raw, ours = statistics.median(times["raw"]), statistics.median(times["accelkit"])
+    pairs = [a / r for a, r in zip(times["accelkit"], times["raw"])]
     print(
         f"{args.backend} {args.precision}: raw {raw * 1e3:.2f} ms/step, accelkit "
-        f"{ours * 1e3:.2f} ms/step, ratio {ours / raw:.4f}"
+        f"{ours * 1e3:.2f} ms/step, ratio {ours / raw:.4f} "
+        f"[{min(pairs):.4f}, {max(pairs):.4f}] ({args.repeats} repeats x {args.steps} steps)"
     )
+    print("raw ms:", [round(t * 1e3, 2) for t in times["raw"]])
+    print("accelkit ms:", [round(t * 1e3, 2) for t in times["accelkit"]])
+    if args.profile:
+        for name, step in steps.items():
+            profile(name, step, x, y, args.steps)
 
 
 if __name__ == "__main__":
