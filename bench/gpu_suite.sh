@@ -98,7 +98,7 @@ for p in "$@"; do
       done ;;
     caitests)
       part caitests
-      PYTHONPATH=$CAI_SITE:$SITE ACCELKIT_GPU_REPORT="$OUTDIR" timeout 420 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 400 plugins/colossalai > "$OUTDIR/cai-tests.log" 2>&1
+      PYTHONPATH=$CAI_SITE:$SITE ACCELKIT_GPU_REPORT="$OUTDIR" timeout 420 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 400 ${CAI_K:+-k "$CAI_K"} plugins/colossalai > "$OUTDIR/cai-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/cai-tests.log" | tail -20 ;;
     caibench)
       part caibench

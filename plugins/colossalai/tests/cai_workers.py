@@ -271,34 +271,35 @@ def _tokens() -> torch.utils.data.TensorDataset:
 
 
 def hybrid_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
-    out = {}
-    for job in jobs:
-        accel = accelkit.get(
-            "colossalai_hybrid",
-            {"tp_size": job["tp_size"], "zero_stage": job.get("zero_stage", 0)},
-            precision=job.get("precision"),
-            accumulation_steps=2,
-        )
-        net = _tiny_llama()
-        model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
-        loader = accel.setup_dataloader(
-            torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
-        )
-        losses = []
-        for (ids,) in loader:
-            with accel.accumulate(model):
-                loss = model(input_ids=ids, labels=ids).loss.float()
-                accel.backward(loss)
-            losses.append(_mean(loss))
-            accel.step()
-            optimizer.zero_grad()
-        backend = accel.backend
-        out[job["name"]] = {
-            "losses": losses,
-            "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
-            "applied": accel.applied_steps,
-        }
-    return out
+    return {job["name"]: _caught(hybrid_train, job) for job in jobs}
+
+
+def hybrid_train(job: dict[str, Any]) -> dict[str, Any]:
+    accel = accelkit.get(
+        "colossalai_hybrid",
+        {"tp_size": job["tp_size"], "zero_stage": job.get("zero_stage", 0)},
+        precision=job.get("precision"),
+        accumulation_steps=2,
+    )
+    net = _tiny_llama()
+    model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
+    )
+    losses = []
+    for (ids,) in loader:
+        with accel.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss.float()
+            accel.backward(loss)
+        losses.append(_mean(loss))
+        accel.step()
+        optimizer.zero_grad()
+    backend = accel.backend
+    return {
+        "losses": losses,
+        "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
+        "applied": accel.applied_steps,
+    }
 
 
 def hybrid_ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
