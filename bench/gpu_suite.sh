@@ -120,7 +120,7 @@ for p in "$@"; do
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|estimate" "$OUTDIR/core-gpu.log" | tail -30 ;;
     fstests)
       part fstests
-      timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 220 plugins/fairscale > "$OUTDIR/fs-tests.log" 2>&1
+      timeout 240 python3 -m pytest -q -rfEsP -p no:cacheprovider -m gpu -o addopts="" --timeout 220 plugins/fairscale > "$OUTDIR/fs-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/fs-tests.log" | tail -20 ;;
     dsz3)
       part dsz3
