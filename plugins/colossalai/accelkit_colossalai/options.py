@@ -55,7 +55,9 @@ class DDPOptions(CommonOptions):
 class LossScaleOptions:
     """ColossalAI's dynamic loss scaler (16-true only)."""
 
-    initial_scale: float = 2**16
+    #: None: the plugin's own (LowLevelZero 2**32, Gemini and Hybrid 2**16), so that a run
+    #: matches the raw Booster with the same settings
+    initial_scale: float | None = None
     min_scale: float = 1
     growth_factor: float = 2
     backoff_factor: float = 0.5
@@ -64,8 +66,9 @@ class LossScaleOptions:
     max_scale: float = 2**32
 
     def loss_scale_kwargs(self) -> dict[str, Any]:
+        scale = {} if self.initial_scale is None else {"initial_scale": self.initial_scale}
         return dict(
-            initial_scale=self.initial_scale,
+            **scale,
             min_scale=self.min_scale,
             growth_factor=self.growth_factor,
             backoff_factor=self.backoff_factor,
