@@ -165,7 +165,7 @@ TOY_PROJECT = textwrap.dedent(
 # ---- the reference: MMEngine's own Runner, nothing from accelkit ----------------------------------
 REFERENCE_DRIVER = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     import torch.distributed as dist
     from mm_toy import toy_cfg
     from mmengine.runner import Runner
@@ -181,6 +181,12 @@ REFERENCE_DRIVER = textwrap.dedent(
                 type="MMDistributedDataParallel", broadcast_buffers=False, device_ids=None)
         runner = Runner.from_cfg(cfg)
         runner.val() if spec.get("mode") == "val" else runner.train()
+    if dist.is_initialized():
+        # leave gloo before the interpreter finalizes, and release the GIL for its worker
+        # threads' last frees: without this a finished rank may abort at exit
+        # ("terminate called without an active exception"; bench/gloo_exit_abort.sh)
+        dist.destroy_process_group()
+        time.sleep(0.1)
     """
 )
 
