@@ -104,6 +104,17 @@ def _full_params(module: torch.nn.Module) -> dict[str, list[float]]:
     }
 
 
+def _caught(function: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """With ``cfg["catch"]``, a run that raises is reported as ``{"error": ...}`` so the other
+    runs of the same launch still run (one GPU launch holds the whole matrix)."""
+    if not cfg.get("catch"):
+        return function(cfg)
+    try:
+        return function(cfg)
+    except Exception as err:  # reported to the test, which fails on it
+        return {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"}
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """One run. ``cfg``: kind (torch_ddp | booster_ddp | booster_zero), stage, precision (fp32 |
     bf16), accumulation, max_norm, epochs, device."""
@@ -190,17 +201,7 @@ def runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
     device = _init(cfgs[0].get("device", "cpu") if cfgs else "cpu")
     if device.type == "cpu" and any(c["kind"] != "torch_ddp" for c in cfgs):
         _cpu_workaround()
-    out = {}
-    for cfg in cfgs:
-        if not cfg.get("catch"):
-            out[cfg["name"]] = run({**cfg, "device": device.type})
-            continue
-        try:  # one launch holds the whole GPU matrix: a failing run must not hide the others
-            out[cfg["name"]] = run({**cfg, "device": device.type})
-        except Exception as err:  # reported to the test, which fails on it
-            out[cfg["name"]] = {
-                "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"
-            }
+    out = {cfg["name"]: _caught(run, {**cfg, "device": device.type}) for cfg in cfgs}
     dist.destroy_process_group()
     return out
 
@@ -227,7 +228,8 @@ def token_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(torch.randint(0, 128, (16, 12), generator=generator))
 
 
-def _hybrid_run(cfg: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def _hybrid_run(cfg: dict[str, Any]) -> dict[str, Any]:
+    device = torch.device(cfg["device"])
     from colossalai.booster import Booster
     from colossalai.booster.plugin import HybridParallelPlugin
 
@@ -280,17 +282,7 @@ def hybrid_runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
             state
         )
         type(accelerator).manual_seed = lambda self, seed: torch.manual_seed(seed)
-    out = {}
-    for cfg in cfgs:
-        if not cfg.get("catch"):
-            out[cfg["name"]] = _hybrid_run(cfg, device)
-            continue
-        try:  # one GPU launch holds several runs: a failing one must not hide the others
-            out[cfg["name"]] = _hybrid_run(cfg, device)
-        except Exception as err:  # reported to the test, which fails on it
-            out[cfg["name"]] = {
-                "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-1500:]}"
-            }
+    out = {cfg["name"]: _caught(_hybrid_run, {**cfg, "device": device.type}) for cfg in cfgs}
     dist.destroy_process_group()
     return out
 
