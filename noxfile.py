@@ -18,8 +18,9 @@ ROOT = Path(__file__).parent
 TORCH = "torch==2.13.0"
 #: plugin distributions, one folder each with its own pyproject.toml and tests/
 PLUGINS = sorted(p.name for p in (ROOT / "plugins").glob("*") if (p / "pyproject.toml").is_file())
-#: the README's test command, minus the interpreter
+#: the README's test commands, minus the interpreter: the default tier and the full (slow) tier
 TEST_COMMAND = ("-m", "pytest", "-q")
+FULL_TIER_COMMAND = ("-m", "pytest", "-q", "-m", "slow and not gpu")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -52,9 +53,18 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The README's test command: every CPU test of the core and of every plugin."""
+    """The README's test command: the default tier of the core and of every plugin."""
     _install(session, *PLUGINS)
+    session.run("bash", "plugins/colossalai/install_colossalai.sh", "python", external=True)
     session.run("python", *TEST_COMMAND, *session.posargs, env=_env())
+
+
+@nox.session(name="tests-full")
+def tests_full(session: nox.Session) -> None:
+    """The README's full tier: the slow multi-process matrices the default run leaves out."""
+    _install(session, *PLUGINS)
+    session.run("bash", "plugins/colossalai/install_colossalai.sh", "python", external=True)
+    session.run("python", *FULL_TIER_COMMAND, *session.posargs, env=_env())
 
 
 @nox.session
