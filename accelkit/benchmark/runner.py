@@ -28,7 +28,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from accelkit.benchmark.workloads import ParamCount
 
 RAW_SINGLE = "raw"
 RAW_DDP = "raw-ddp"
@@ -310,10 +313,12 @@ def run(
     device = resolve_device(config.device)
     import torch
 
+    from accelkit.benchmark.workloads import count_params
+
     with torch.device("meta"):
         workload = get_workload(config.model, config.batch_factory, config.seq)
         # counted here, on meta: a worker's count misses parameters ZeRO-3 partitioned at build
-        workload_params = sum(p.numel() for p in workload.build().parameters())
+        workload_params = count_params(workload.build())
     rows = make_rows(config, backends)
     workdir = Path(keep_dir or tempfile.mkdtemp(prefix="accelkit-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -415,10 +420,12 @@ def summarize(
     workload: Any,
     rows: list[Row],
     peak: dict[str, Any],
-    params: int | None = None,
+    params: ParamCount | None = None,
 ) -> dict[str, Any]:
     """The result document; ``params`` (the model's count, from the meta device) is what MFU
     counts, else each row's own count."""
+    if params is None:  # each worker's own count (a ZeRO-3 row's misses what it partitioned)
+        params = next((_count_of(r.ready) for r in rows if r.status == "ok"), None)
     results = []
     for row in rows:
         entry: dict[str, Any] = {
@@ -455,9 +462,60 @@ def summarize(
             "name": workload.name,
             "description": workload.description,
             "seq_len": workload.seq_len,
-            "params": params,
+            "params": None if params is None else params.total,
+            "embedding_params": None if params is None else params.embedding,
+            "non_embedding_params": None if params is None else params.non_embedding,
+            "tied_embedding_params": None if params is None else params.tied,
         },
+        "flops": _flops_statement(workload, params, peak, device),
         "results": results,
+    }
+
+
+def flops_rate(value: float) -> str:
+    """``790.0 TFLOP/s``, ``17.0 GFLOP/s``: the unit that keeps the figure readable."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:,.1f} {unit}"
+    return f"{value / 1e6:,.1f} MFLOP/s"
+
+
+def _count_of(ready: dict[str, Any]) -> ParamCount:
+    from accelkit.benchmark.workloads import ParamCount
+
+    total = int(ready.get("params", 0))
+    return ParamCount(total, int(ready.get("embedding_params", 0)), int(ready.get("tied", 0)))
+
+
+def _flops_statement(
+    workload: Any, params: ParamCount | None, peak: dict[str, Any], device: str
+) -> dict[str, Any]:
+    """How MFU is counted, in numbers and in words (the JSON keeps it; the table prints it)."""
+    if params is None:
+        return {"statement": "no row ran: nothing counted"}
+    per_sample = workload.training_flops_per_sample(params.non_embedding)
+    per_token = per_sample / workload.seq_len if workload.seq_len else None
+    formula = workload.describe_flops(params.non_embedding)
+    value = per_token if per_token is not None and formula.startswith("per token") else per_sample
+    tied = f"; {params.tied:,} tied to a head, counted once as matmul work" if params.tied else ""
+    flops = peak.get("flops")
+    where = "per GPU" if device == "cuda" else "the whole CPU"
+    peak_text = (
+        f"{flops_rate(flops)} {where} ({peak.get('how')})"
+        if flops
+        else f"unknown ({peak.get('how')})"
+    )
+    statement = (
+        f"MFU = training FLOP/s / peak. Training FLOPs {formula} = {value:,.0f} "
+        f"({params.total:,} parameters in all, {params.embedding:,} of them embedding lookups, "
+        f"not counted{tied}). Peak: {peak_text}."
+    )
+    return {
+        "formula": formula,
+        "counted_params": params.non_embedding,
+        "per_sample": per_sample,
+        "per_token": per_token,
+        "statement": statement,
     }
 
 
@@ -467,17 +525,18 @@ def _figures(
     row: Row,
     rows: list[Row],
     peak: dict[str, Any],
-    model_params: int | None,
+    model_params: ParamCount | None,
 ) -> dict[str, Any]:
     times = [r["step_s"] for r in row.results]
     median = statistics.median(times)
     world = int(row.ready.get("world_size", row.nproc))
-    params = int(model_params or row.ready.get("params", 0))
+    params = model_params or _count_of(row.ready)
     samples = config.batch * world / median
     figures: dict[str, Any] = {
         "world_size": world,
         "device": row.ready.get("device"),
-        "params": params,
+        "params": params.total,
+        "non_embedding_params": params.non_embedding,
         "optimizer": row.ready.get("optimizer"),
         "setup_s": row.ready.get("setup_s"),
         "step_ms": {
@@ -495,7 +554,7 @@ def _figures(
     flops = peak.get("flops")
     if flops:
         devices = world if row.ready.get("device") == "cuda" else 1
-        achieved = workload.training_flops_per_sample(params) * samples
+        achieved = workload.training_flops_per_sample(params.non_embedding) * samples
         figures["tflops"] = achieved / 1e12
         figures["mfu"] = achieved / (flops * devices)
     base = baseline_of(row, rows)

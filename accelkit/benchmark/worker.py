@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from accelkit.benchmark.workloads import ParamCount, count_params
+
 POLL_S = 0.005
 
 
@@ -75,7 +77,7 @@ class Job:
         self.device = torch.device("cpu")
         self.step: Callable[[], torch.Tensor]
         self.optimizer_kind = ""
-        self.params = 0
+        self.params = ParamCount(0, 0)
 
     def batches(self) -> list[Any]:
         """A few fixed batches, different on every rank, already on the device."""
@@ -117,7 +119,7 @@ def build_raw(job: Job) -> None:
     torch.manual_seed(spec["seed"])
     with job.device:
         model = job.workload.build()
-    job.params = sum(p.numel() for p in model.parameters())
+    job.params = count_params(model)
     if precision in ("bf16-true", "16-true"):
         model = model.to(low)
     if spec.get("activation_checkpointing"):
@@ -179,7 +181,7 @@ def build_accelkit(job: Job) -> Any:
     torch.manual_seed(spec["seed"])
     with accel.init_module():
         model = job.workload.build()
-    job.params = sum(p.numel() for p in model.parameters())
+    job.params = count_params(model)
     optimizer = job.make_optimizer(model)
     kwargs: dict[str, Any] = {}
     if spec.get("compile"):
@@ -279,7 +281,9 @@ def run_job(spec: dict[str, Any]) -> int:
         write_json(
             control / "ready.json",
             {
-                "params": job.params,
+                "params": job.params.total,
+                "embedding_params": job.params.embedding,
+                "tied": job.params.tied,
                 "world_size": job.world_size,
                 "device": job.device.type,
                 "device_name": device_name(job.device),

@@ -4,13 +4,14 @@ A :class:`Workload` is a model factory plus a synthetic batch factory. The model
 the batch (positional arguments, or keyword arguments for a dict) and returns the loss; a model
 that returns something else gets a stand-in loss (see :func:`loss_of`).
 
-Built-in workloads (the GPT shapes match ``/work/shared/bench/peers.py``, so figures compare):
+Built-in workloads (``bench/peers.py`` trains the same shapes under the peer frameworks):
 
 - ``mlp``: 4 x (Linear 256 -> 256, ReLU), MSE loss. So little compute per step that the
   framework's own per-step cost shows.
 - ``tiny-gpt``: a 2-layer, 64-wide GPT decoder on 64 tokens (vocab 512), for the CPU.
 - ``gpt2-small``: a GPT-2-small-shaped decoder, 12 layers, width 768, 12 heads, sequence 1024,
-  vocabulary 50304 (163M parameters, untied head).
+  vocabulary 50304 (163,109,376 parameters with an untied head; 123,689,472 without the token
+  and position embeddings, the count MFU uses).
 - ``package.module:factory``: the user's model. ``factory()`` returns a :class:`Workload`, a
   ``(model, make_batch)`` pair, or a model alone, in which case ``make_batch`` is looked up in
   the same module (or given with ``--batch-factory package.module:function``).
@@ -42,16 +43,76 @@ class Workload:
     make_batch: BatchFactory
     #: tokens per sample for language models (tokens/s are reported), else None (samples/s)
     seq_len: int | None = None
-    #: training FLOPs per sample (forward + backward) from the parameter count; None: 6 * params
-    #: per sample, one multiply-add per parameter per sample (exact for an MLP, not for convs)
+    #: training FLOPs per sample (forward + backward) from the non-embedding parameter count
+    #: (see :func:`count_params`); None: 6 x that count per sample, one multiply-add per
+    #: parameter in the forward and two in the backward (exact for an MLP, not for convs)
     flops_per_sample: Callable[[int], float] | None = None
     default_batch: int = 8
     description: str = ""
+    #: how ``flops_per_sample`` counts, in words, ``{n}`` standing for the non-embedding
+    #: parameter count (stated in the result JSON and under the table)
+    flops_formula: str = ""
 
-    def training_flops_per_sample(self, params: int) -> float:
+    def training_flops_per_sample(self, non_embedding_params: int) -> float:
+        """Training FLOPs of one sample, from the parameters that do matmul work."""
         if self.flops_per_sample is not None:
-            return float(self.flops_per_sample(params))
-        return 6.0 * params
+            return float(self.flops_per_sample(non_embedding_params))
+        return 6.0 * non_embedding_params
+
+    def describe_flops(self, non_embedding_params: int) -> str:
+        """The accounting in words, with the count filled in."""
+        if self.flops_formula:
+            return self.flops_formula.format(n=f"{non_embedding_params:,}")
+        if self.flops_per_sample is None:
+            return f"per sample = 6 x {non_embedding_params:,} non-embedding parameters"
+        return "per sample: the workload's own flops_per_sample"
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """A model's parameters split by whether they do matmul work, for MFU.
+
+    An embedding lookup reads one row per token and multiplies nothing, so the weights of
+    ``nn.Embedding``/``nn.EmbeddingBag`` modules are left out of the ``6 N`` count (the usual
+    accounting: Kaplan et al. 2020, PaLM appendix B). A weight that is both an embedding and
+    another module's parameter (an output head tied to the token embedding) does matmul work in
+    the head: it is counted once, as matmul work (``tied``). A tie made without a module (a
+    functional ``F.linear(x, embedding.weight)``) cannot be seen and is counted as an embedding.
+    """
+
+    total: int
+    #: weights of embedding modules that no other module uses: lookups only
+    embedding: int
+    #: embedding weights that another module also uses (tied head), counted as matmul work
+    tied: int = 0
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_params(model: nn.Module) -> ParamCount:
+    """Count ``model``'s parameters (shared ones once) and its lookup-only embedding weights."""
+    unique = {id(p): p for p in model.parameters()}
+    lookup_kinds = (nn.Embedding, nn.EmbeddingBag)
+    embedding_ids = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, lookup_kinds)
+        for p in m.parameters(recurse=False)
+    }
+    used_elsewhere = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, lookup_kinds)
+        for p in m.parameters(recurse=False)
+    }
+    lookup_only = embedding_ids - used_elsewhere
+    return ParamCount(
+        total=sum(p.numel() for p in unique.values()),
+        embedding=sum(unique[i].numel() for i in lookup_only if i in unique),
+        tied=sum(unique[i].numel() for i in embedding_ids & used_elsewhere if i in unique),
+    )
 
 
 # ---- built-in models ----------------------------------------------------------------------------
@@ -114,8 +175,16 @@ class GPT(nn.Module):
 
 
 def gpt_flops(layers: int, width: int, seq: int) -> Callable[[int], float]:
-    """6 N per token plus attention's 12 L T d (PaLM, appendix B), times tokens per sample."""
-    return lambda params: (6.0 * params + 12.0 * layers * seq * width) * seq
+    """``6 N + 12 L T d`` per token (N the non-embedding parameters; the second term is
+    attention's score and value matmuls, PaLM appendix B), times T tokens per sample."""
+    return lambda non_embedding: (6.0 * non_embedding + 12.0 * layers * seq * width) * seq
+
+
+def gpt_flops_formula(layers: int, width: int, seq: int) -> str:
+    return (
+        "per token = 6 x {n} non-embedding parameters + 12 x L x T x d attention "
+        f"(PaLM appendix B; L={layers}, T={seq}, d={width})"
+    )
 
 
 def _gpt_workload(name: str, vocab: int, width: int, layers: int, heads: int, seq: int, doc: str):
@@ -132,6 +201,7 @@ def _gpt_workload(name: str, vocab: int, width: int, layers: int, heads: int, se
         flops_per_sample=gpt_flops(layers, width, seq),
         default_batch=8,
         description=doc,
+        flops_formula=gpt_flops_formula(layers, width, seq),
     )
 
 

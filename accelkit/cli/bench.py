@@ -22,7 +22,11 @@ examples:
   accelkit bench --model mypkg.models:build --batch-factory mypkg.models:make_batch --backends cuda
 
 backend suffixes: +compile (setup(compile=True)), +ckpt (activation checkpointing).
-'raw' and 'raw-ddp' name the raw-PyTorch baselines (added automatically unless --no-baseline).
+'raw' and 'raw-ddp' name the raw-PyTorch baselines (added automatically unless --no-baseline);
+'raw+compile' adds raw torch.compile, the baseline of every +compile row (raw,raw+compile,cuda,
+cuda+compile puts accelkit's compile path beside raw torch.compile).
+MFU: 6 x non-embedding parameters (+ 12 L T d attention per token for the GPTs) against the peak
+printed under the table.
 """
 
 DEFAULTS = {  # (steps, warmup, repeats) per built-in model
@@ -213,6 +217,9 @@ def render(result: dict[str, Any]) -> str:
             f"| {r['label']} | {r['world_size']} | {t['median']:.2f} [{t['min']:.2f}, {t['max']:.2f}] "
             f"| {rate:,.0f} | {mfu} | {memory} | {vs} |"
         )
+    statement = (result.get("flops") or {}).get("statement")
+    if statement:
+        lines += ["", statement]
     if skipped:
         lines += ["", "not run here:", *skipped]
     return "\n".join(lines)
