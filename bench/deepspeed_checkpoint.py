@@ -13,14 +13,21 @@ both ways, in alternating order:
   ``engine.load_checkpoint(dir)``; and the same save followed by an fsync of its files, which is
   what accelkit's includes.
 
-GB/s = bytes on disk / wall time (a barrier at each end). The loads read files just written, so
-mostly from the page cache (dropping it needs root); the save figures include the disk. After
-accelkit's load the next step's loss must equal the one after DeepSpeed's load (a check, printed).
+The comparison is wall time for the same state: per round, accelkit's seconds / DeepSpeed's
+seconds (a barrier at each end of each timing), median [min, max] over the rounds; above 1 is
+slower. The two formats write different bytes for that state (accelkit's holds the fp32
+master, both Adam moments under portable names and the bf16 weights, plus checksums), so the
+bytes each writes are reported beside the ratios, and GB/s = each side's own bytes / its own
+wall time is only a disk-throughput figure, not a speed comparison. The loads read files just
+written, so mostly from the page cache (dropping it needs root); the save figures include the
+disk. After accelkit's load the next step's loss must equal the one after DeepSpeed's load (a
+check, printed).
 
     python bench/deepspeed_checkpoint.py --out result.json            # 1 GPU, about a minute
     torchrun --nproc-per-node 2 bench/deepspeed_checkpoint.py --out r.json
     python bench/deepspeed_checkpoint.py --device cpu --layers 2 --width 64 --seq 32 \\
         --vocab 512 --heads 4 --batch 2 --repeats 1 --out /tmp/smoke.json
+    python bench/deepspeed_checkpoint.py --summarize bench/results/<run>/ds-checkpoint.json
 """
 
 from __future__ import annotations
@@ -136,28 +143,85 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if dist.get_rank() == 0 and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 
-    def rate(side: str, key: str, extra: str | None = None) -> dict[str, float]:
-        per = [sizes[side] / 1e9 / (r[key] + (r[extra] if extra else 0.0)) for r in rounds]
-        return {"median": statistics.median(per), "min": min(per), "max": max(per)}
-
-    return {
+    result = {
         "stage": args.stage,
         "precision": args.precision,
         "world_size": dist.get_world_size(),
         "bytes": sizes,
         "rounds": rounds,
-        "gb_per_s": {
-            "accelkit_save": rate("accelkit", "accelkit_save_s"),
-            "accelkit_load": rate("accelkit", "accelkit_load_s"),
-            "deepspeed_save_no_fsync": rate("deepspeed", "deepspeed_save_s"),
-            "deepspeed_save_fsync": rate("deepspeed", "deepspeed_save_s", "deepspeed_fsync_s"),
-            "deepspeed_load": rate("deepspeed", "deepspeed_load_s"),
-        },
         "loss_after_load": {"accelkit": loss_after_accelkit, "deepspeed": loss_after_deepspeed},
         "same_loss_after_load": loss_after_accelkit == loss_after_deepspeed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    result.update(summarize(result))
+    return result
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The comparison, from the per-round seconds and the bytes alone (so a committed result can
+    be re-read): wall-time ratios accelkit / DeepSpeed for the same state, each side's seconds,
+    and each side's GB/s of its own bytes."""
+    rounds, sizes = result["rounds"], result["bytes"]
+
+    def seconds(row: dict[str, float], key: str) -> float:
+        if key == "deepspeed_durable_save_s":  # DeepSpeed's save plus the fsync accelkit's has
+            return row["deepspeed_save_s"] + row["deepspeed_fsync_s"]
+        return row[key]
+
+    def ratio(ours: str, theirs: str) -> dict[str, float]:
+        return _spread([seconds(r, ours) / seconds(r, theirs) for r in rounds])
+
+    def rate(side: str, key: str) -> dict[str, float]:
+        return _spread([sizes[side] / 1e9 / seconds(r, key) for r in rounds])
+
+    keys = {
+        "accelkit_save": ("accelkit", "accelkit_save_s"),
+        "accelkit_load": ("accelkit", "accelkit_load_s"),
+        "deepspeed_save_no_fsync": ("deepspeed", "deepspeed_save_s"),
+        "deepspeed_save_fsync": ("deepspeed", "deepspeed_durable_save_s"),
+        "deepspeed_load": ("deepspeed", "deepspeed_load_s"),
+    }
+    return {
+        "wall_time_ratio": {  # accelkit seconds / DeepSpeed seconds, per round; > 1: slower
+            "save_vs_durable_save": ratio("accelkit_save_s", "deepspeed_durable_save_s"),
+            "save_vs_save_no_fsync": ratio("accelkit_save_s", "deepspeed_save_s"),
+            "load": ratio("accelkit_load_s", "deepspeed_load_s"),
+        },
+        "seconds": {
+            name: _spread([seconds(r, key) for r in rounds]) for name, (_, key) in keys.items()
+        },
+        "bytes_ratio": sizes["accelkit"] / sizes["deepspeed"],
+        "gb_per_s_own_bytes": {name: rate(side, key) for name, (side, key) in keys.items()},
+    }
+
+
+def report(result: dict[str, Any]) -> None:
+    """Print the comparison: wall-time ratios first, then bytes, seconds and GB/s."""
+    print(
+        f"\n{result['device']}, ZeRO-{result['stage']} {result['precision']}, "
+        f"world {result['world_size']}, {len(result['rounds'])} rounds"
+    )
+    print("wall time for the same state, accelkit / DeepSpeed per round (> 1: accelkit slower):")
+    for key, value in result["wall_time_ratio"].items():
+        print(f"  {key:24s} {value['median']:.3f} [{value['min']:.3f}, {value['max']:.3f}]")
+    print(
+        f"bytes written: accelkit {result['bytes']['accelkit'] / 1e9:.3f} GB, "
+        f"DeepSpeed {result['bytes']['deepspeed'] / 1e9:.3f} GB "
+        f"(accelkit {result['bytes_ratio']:.3f}x)"
+    )
+    print("seconds, median [min, max]; GB/s of each side's own bytes:")
+    for key, value in result["seconds"].items():
+        rate = result["gb_per_s_own_bytes"][key]
+        print(
+            f"  {key:24s} {value['median']:6.2f} s [{value['min']:.2f}, {value['max']:.2f}]"
+            f"  {rate['median']:5.2f} GB/s"
+        )
+    print(f"same loss after either load: {result['same_loss_after_load']}")
 
 
 def main() -> int:
@@ -177,23 +241,18 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--no-fused", dest="fused", action="store_false", help="unfused AdamW")
+    p.add_argument("--summarize", metavar="JSON", help="print the comparison of a saved result")
     args = p.parse_args()
+    if args.summarize:
+        saved = json.loads(Path(args.summarize).read_text())
+        report({**saved, **summarize(saved)})
+        return 0
     if args.device == "cpu" or not torch.cuda.is_available():
         args.fused = False
     device = workload.join_group(args.device)
     result = run(args, device)
     if dist.get_rank() == 0:
-        rates = result["gb_per_s"]
-        print(
-            f"\n{result['device']}, ZeRO-{args.stage} {args.precision}, world {result['world_size']}"
-        )
-        print(
-            f"bytes on disk: accelkit {result['bytes']['accelkit'] / 1e9:.3f} GB, "
-            f"DeepSpeed {result['bytes']['deepspeed'] / 1e9:.3f} GB"
-        )
-        for key, value in rates.items():
-            print(f"{key:26s} {value['median']:6.2f} GB/s  [{value['min']:.2f}-{value['max']:.2f}]")
-        print(f"same loss after either load: {result['same_loss_after_load']}")
+        report(result)
         text = json.dumps(result, indent=1)
         if args.out == "-":
             print(text)

@@ -12,9 +12,11 @@ what it measured (end of the run: "apex GPU summary"; and ``$ACCELKIT_GPU_REPORT
 
 Tolerances are measured in the same run, never assumed:
 
-- bf16 / fp16: the Apex run must be as close to raw torch in that precision as that precision
-  is to fp32 (``floor``: max relative loss difference between raw torch in bf16/fp16 and raw
-  torch in fp32 on the same model and data), within a factor of 2;
+- bf16: the Apex run must be as close to raw torch in bf16 as bf16 is to fp32 (``floor``: max
+  relative loss difference between raw torch in bf16 and in fp32 on the same model and data),
+  within a factor of 2;
+- fp16: a fixed relative bound on the losses (FP16_LOSS_RTOL, from the committed H200 logs; the
+  fp16-vs-fp32 distance is no floor there, because the loss scaler skips steps fp32 never does);
 - resume: against the run-to-run difference of two identical uninterrupted runs (1e-6 if that
   is 0: the kernels are deterministic and a resume must then be bit-exact up to that).
 
@@ -154,23 +156,41 @@ def test_fused_adam_and_norms_track_torch_adamw_in_bf16(real_apex):
     assert figures["twin_lr3x_vs_torch_bf16"] > 2 * floor
 
 
+#: apex 16-mixed (FusedAdam + fused LayerNorm) against raw torch 16-mixed (fused AdamW +
+#: GradScaler), max relative loss difference over the 40 steps. Measured on the H200
+#: (bench/results/2026-12-03-h200-callD/c1/apex-gpu.jsonl): 1.1e-3; in bf16 the same kernel
+#: swap measured 7.2e-3 (FusedAdam alone 1.5e-3). The fp16-vs-fp32 distance of raw torch (0.20)
+#: is no floor: GradScaler skips step 1 in fp16 and never in fp32, so it measures a skipped step;
+#: 2x it passed callC's 0.178, when the test built Apex's param groups at 10x the reference's
+#: learning rate. 1e-2 leaves 9x over the measured 1.1e-3 and 1.4x over bf16's kernel noise,
+#: and fails that 0.178 and the 3x-lr twin below.
+FP16_LOSS_RTOL = 1e-2
+
+
 def test_fp16_with_loss_scaling(real_apex):
     data = _data()
     overflow = (10,)
-    # the floor from runs without the forced overflow (an fp32 run cannot skip a step)
+    # reported, not a bound: fp32 cannot skip the steps the fp16 scaler skips (see above)
     fp32 = raw(None, max_norm=1.0, data=data)["losses"]
     floor = rel(fp32, raw(torch.float16, scaler=True, max_norm=1.0, data=data)["losses"])
     ref = raw(torch.float16, scaler=True, max_norm=1.0, overflow_at=overflow, data=data)
-    accel = accelkit.get("apex", precision="16-mixed", fused_norm=True, max_grad_norm=1.0)
-    model = _net()
-    model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model, LR), lr=LR))
-    got = train_accel(accel, model, data, overflow_at=overflow)
+
+    def apex_run(lr: float = LR):
+        accel = accelkit.get("apex", precision="16-mixed", fused_norm=True, max_grad_norm=1.0)
+        model = _net()
+        model, opt = accel.setup(model, torch.optim.AdamW(param_groups(model, lr), lr=lr))
+        return accel, opt, train_accel(accel, model, data, overflow_at=overflow)
+
+    accel, opt, got = apex_run()
+    twin = apex_run(lr=3 * LR)[2]  # negative twin: a wrong learning rate must leave the bound
     skipped = [i for i, s in enumerate(got["skipped"]) if s]
     ref_skipped = [i for i, s in enumerate(ref["skipped"]) if s]
     scale = accel.backend.precision.scaler.get_scale()
     figures = dict(
         floor_fp16_vs_fp32=floor,
         apex_vs_torch_fp16=rel(ref["losses"], got["losses"]),
+        twin_lr3x_vs_torch_fp16=rel(ref["losses"], twin["losses"]),
+        bound=FP16_LOSS_RTOL,
         skipped=skipped,
         torch_skipped=ref_skipped,
         scale=scale,
@@ -181,7 +201,8 @@ def test_fp16_with_loss_scaling(real_apex):
     assert 10 in skipped and skipped == ref_skipped
     assert scale == ref["scales"][-1]
     assert figures["group_steps"] == [STEPS - len(skipped)] * 2
-    assert figures["apex_vs_torch_fp16"] <= 2 * floor
+    assert figures["apex_vs_torch_fp16"] <= FP16_LOSS_RTOL
+    assert figures["twin_lr3x_vs_torch_fp16"] > FP16_LOSS_RTOL
 
 
 def test_checkpoint_round_trip(real_apex, tmp_path):

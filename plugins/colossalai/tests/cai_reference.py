@@ -6,7 +6,8 @@ and loop are its own. It runs under ``torchrun`` (2 gloo processes on the CPU, n
 returns, per run, the rank-averaged loss of every micro-batch, the gradient norm of every
 optimizer step and the final full parameters.
 
-The loop is the one accelkit promises (DESIGN.md): every micro-batch loss is divided by the
+The loop is the one accelkit promises (docs/architecture.md,
+"Semantics that hold on every backend"): every micro-batch loss is divided by the
 accumulation steps N; the optimizer steps after N micro-batches or at the loader's last batch,
 whichever comes first (a short last window is still scaled by 1/N); the window's earlier
 micro-batches run under ``booster.no_sync`` where the plugin supports it (TorchDDP, LowLevelZero
@@ -116,8 +117,8 @@ def _caught(function: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One run. ``cfg``: kind (torch_ddp | booster_ddp | booster_zero), stage, precision (fp32 |
-    bf16), accumulation, max_norm, epochs, device."""
+    """One run. ``cfg``: kind (torch_ddp | booster_ddp | booster_zero | booster_gemini), stage,
+    precision (fp32 | bf16 | fp16), accumulation, max_norm, track_grad_norm, epochs, device."""
     kind = cfg["kind"]
     device = torch.device(cfg.get("device", "cpu"))
     model = build_model().to(device)
@@ -174,16 +175,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             losses.append(_mean(loss))
             if not closes:
                 continue
+            # track_grad_norm: the norm without clipping (LowLevelZero computes it at every step)
+            wants_norm = max_norm is not None or cfg.get("track_grad_norm", False)
             if kind in ("booster_zero", "booster_gemini"):
                 optimizer.step()
-                if max_norm is not None:
+                if wants_norm:
                     norm = optimizer.get_grad_norm()
                     # None: fp16's loss scaler skipped every step so far (no norm computed yet)
                     norms.append(math.inf if norm is None else float(norm))
             else:
                 params = [p for p in model.parameters() if p.grad is not None]
-                if max_norm is not None:
-                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+                if wants_norm:
+                    limit = max_norm if max_norm is not None else math.inf
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(params, limit)))
                 optimizer.step()
             optimizer.zero_grad()
     if kind == "booster_gemini":
@@ -251,7 +255,7 @@ def _hybrid_run(cfg: dict[str, Any]) -> dict[str, Any]:
         data, num_replicas=plugin.dp_group.size(), rank=dp_rank, shuffle=False
     )
     loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
-    losses = []
+    losses, norms = [], []
     steps = 2
     for i, (ids,) in enumerate(loader):
         ids = ids.to(device)
@@ -264,12 +268,47 @@ def _hybrid_run(cfg: dict[str, Any]) -> dict[str, Any]:
         losses.append(_mean(loss))
         if closes:
             optimizer.step()
+            if cfg.get("max_norm"):
+                norm = optimizer.get_grad_norm()  # computed while clipping (plugin's max_norm)
+                norms.append(math.inf if norm is None else float(norm))
             optimizer.zero_grad()
-    return {"losses": losses, "dp": [dp_rank, plugin.dp_group.size()]}
+    module = model.unwrap()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": _full_params(module),  # this rank's working weights (its tp shard)
+        "masters": _fp32_masters(module, optimizer),
+        "dp": [dp_rank, plugin.dp_group.size()],
+    }
+
+
+def _fp32_masters(module: torch.nn.Module, optimizer: Any) -> dict[str, list[float]]:
+    """The fp32 master of every parameter by name, read from ColossalAI's optimizer wrapper:
+    LowLevelZero's flat shards (``working_to_master_param``, keyed by the working parameter's id)
+    all-gathered over the parameter's ZeRO group and cut to its size, or the mixed-precision
+    optimizer's whole masters (``working_to_master_map``). Empty where the weights are their own
+    master (fp32 without ZeRO)."""
+    shards = getattr(optimizer, "working_to_master_param", None)
+    whole = getattr(optimizer, "working_to_master_map", None)
+    out: dict[str, list[float]] = {}
+    for name, param in module.named_parameters():
+        if shards is not None and id(param) in shards:
+            shard = shards[id(param)].detach().float()
+            group = optimizer.param_to_pg[param]
+            pieces = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, shard, group=group)
+            master = torch.cat(pieces)[: param.numel()]
+        elif whole is not None and param in whole and whole[param] is not param:
+            master = whole[param].detach().float().reshape(-1)
+        else:
+            continue
+        out[name] = master.cpu().tolist()
+    return out
 
 
 def hybrid_runs(cfgs: list[dict[str, Any]]) -> dict[str, Any]:
-    """HybridParallelPlugin runs: tp_size, zero_stage, precision; 2 steps of accumulation 2.
+    """HybridParallelPlugin runs: tp_size, zero_stage, precision, max_norm (the plugin clips and
+    reports the norm); accumulation 2.
     On the CPU by default; ``device="cuda"`` in the first cfg runs them all on CUDA (nccl)."""
     device = _init(cfgs[0].get("device", "cpu") if cfgs else "cpu")
     if device.type == "cpu":

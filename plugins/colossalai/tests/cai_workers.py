@@ -280,26 +280,54 @@ def hybrid_train(job: dict[str, Any]) -> dict[str, Any]:
         {"tp_size": job["tp_size"], "zero_stage": job.get("zero_stage", 0)},
         precision=job.get("precision"),
         accumulation_steps=2,
+        max_grad_norm=job.get("max_norm"),
     )
     net = _tiny_llama()
     model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
     loader = accel.setup_dataloader(
         torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
     )
-    losses = []
+    losses, norms = [], []
     for (ids,) in loader:
         with accel.accumulate(model):
             loss = model(input_ids=ids, labels=ids).loss.float()
             accel.backward(loss)
         losses.append(_mean(loss))
-        accel.step()
+        if accel.step() and job.get("max_norm"):
+            norms.append(float(accel.grad_norm))
         optimizer.zero_grad()
     backend = accel.backend
+    module = accel.unwrap(model)
     return {
         "losses": losses,
+        "norms": norms,
+        "params": _flat(module.state_dict()),  # this rank's working weights (its tp shard)
+        "masters": _hybrid_masters(module, backend.optimizer),
         "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
         "applied": accel.applied_steps,
     }
+
+
+def _hybrid_masters(module: torch.nn.Module, wrapper: Any) -> dict[str, list[float]]:
+    """Each parameter's fp32 master by name, read from ColossalAI's optimizer wrapper without
+    accelkit's checkpoint code: ZeRO's flat shards (``get_working_to_master_map``) all-gathered
+    over the parameter's group and cut to size, or the AMP optimizer's whole masters."""
+    zero_map = wrapper.get_working_to_master_map() if hasattr(wrapper, "param_to_pg") else None
+    amp_map = getattr(wrapper, "working_to_master_map", None)
+    masters: dict[str, list[float]] = {}
+    for name, param in module.named_parameters():
+        if zero_map is not None and id(param) in zero_map:
+            shard = zero_map[id(param)].detach().float()
+            group = wrapper.param_to_pg[param]
+            gathered = [torch.zeros_like(shard) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, shard, group=group)
+            value = torch.cat(gathered)[: param.numel()]
+        elif amp_map is not None and param in amp_map and amp_map[param] is not param:
+            value = amp_map[param].detach().float().reshape(-1)
+        else:
+            continue
+        masters[name] = value.cpu().tolist()
+    return masters
 
 
 def hybrid_ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -342,11 +370,9 @@ def _hybrid_dump(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
         for k, v in entry.items()
         if isinstance(v, torch.Tensor)
     }
-    params = {
-        k: v.detach().to(torch.bfloat16).float().cpu().reshape(-1).tolist()
-        for k, v in accel.unwrap(model).state_dict().items()
-    }
-    return {"optim": optim, "params_bf16": params}
+    module = accel.unwrap(model)
+    masters = _hybrid_masters(module, wrapper) if wrapper is not None else {}
+    return {"optim": optim, "params": _flat(module.state_dict()), "masters": masters}
 
 
 def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:

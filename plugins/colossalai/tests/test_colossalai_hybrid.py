@@ -4,7 +4,10 @@ processes, against ColossalAI's Booster used directly (cai_reference.hybrid_runs
 Runs: tp_size=1 (data parallel over 2 ranks, torch DDP inside the plugin), tp_size=2 (tensor
 parallel, data-parallel size 1: each rank reads every sample, so the sampler must shard by the
 data-parallel rank, not the global one) and tp_size=1 with ZeRO-1 in bf16-true. Accumulation 2,
-with no_sync inside the window on both sides. Measured: every loss equal (difference 0) -> EXACT.
+with no_sync inside the window on both sides, and clipping through the plugin's ``max_norm`` on
+both sides (MAX_NORM 0.5, below every measured pre-clip norm of this workload: 0.939 to 0.956,
+so every step clips). Measured: every loss, gradient norm, final working weight (each rank's
+tensor-parallel shard) and fp32 master equal (difference 0) -> EXACT.
 """
 
 from __future__ import annotations
@@ -14,14 +17,16 @@ import pytest
 pytest.importorskip("colossalai")
 pytest.importorskip("transformers")
 
+import torch
 from cai_run import run_ranks
 
 pytestmark = pytest.mark.slow
 
+MAX_NORM = 0.5  # measured pre-clip norms 0.939 to 0.956: every step clips
 RUNS = [
-    dict(name="tp1", tp_size=1),
-    dict(name="tp2", tp_size=2),
-    dict(name="tp1_zero1_bf16", tp_size=1, zero_stage=1, precision="bf16"),
+    dict(name="tp1", tp_size=1, max_norm=MAX_NORM),
+    dict(name="tp2", tp_size=2, max_norm=MAX_NORM),
+    dict(name="tp1_zero1_bf16", tp_size=1, zero_stage=1, precision="bf16", max_norm=MAX_NORM),
 ]
 
 
@@ -37,10 +42,20 @@ def results():
 
 
 @pytest.mark.parametrize("name", [r["name"] for r in RUNS])
-def test_losses_equal_raw_booster(results, name):
+def test_equals_raw_booster(results, name):
     reference, ours = results
     for rank in (0, 1):
-        assert ours[rank][name]["losses"] == reference[rank][name]["losses"]
+        mine, raw = ours[rank][name], reference[rank][name]
+        assert "error" not in raw, raw.get("error")
+        assert "error" not in mine, mine.get("error")
+        assert mine["losses"] == raw["losses"]
+        # accel.grad_norm is a float32 tensor; ColossalAI's norm a Python float
+        assert mine["norms"] == [float(torch.tensor(n, dtype=torch.float32)) for n in raw["norms"]]
+        assert len(mine["norms"]) == mine["applied"] and min(mine["norms"]) > MAX_NORM
+        assert mine["params"] == raw["params"] and len(mine["params"]) == 21
+        assert mine["masters"] == raw["masters"]
+    if "bf16" in name:
+        assert len(ours[0][name]["masters"]) == 21, "no fp32 master read"
 
 
 def test_sampler_shards_by_data_parallel_rank(results):
@@ -74,13 +89,21 @@ def test_hybrid_zero1_bf16_resumes_exactly(checkpoints):
 
 
 def test_hybrid_state_reaches_ddp_bit_for_bit(checkpoints):
-    # ZeRO-1 bf16-true: the fp32 master becomes ddp's fp32 weights (compared after rounding to
-    # bf16 against the hybrid's bf16 working weights); Adam state equal. Shardformer's lm_head is
-    # matched by name (its state_dict builds new tensors).
+    # ZeRO-1 bf16-true: the fp32 master (ColossalAI's flat shards, all-gathered by the worker
+    # without accelkit's checkpoint code) becomes ddp's fp32 weights bit for bit; ZeRO 0 fp32:
+    # the weights are their own master. Adam state equal. Shardformer's lm_head is matched by
+    # name (its state_dict builds new tensors).
     for name, source in (("ddp<-zero1", "zero1"), ("ddp<-zero0", "zero0")):
         loaded, original = checkpoints[name]["after_load"], checkpoints[source]["at_save"]
         assert loaded["optim"] == original["optim"]
         assert len(loaded["optim"]) == 3 * 21  # 21 parameters of the tiny Llama
-        assert loaded["params_bf16"] == original["params_bf16"]
+    zero1_masters = checkpoints["zero1"]["at_save"]["masters"]
+    assert len(zero1_masters) == 21, "no fp32 master read from the ZeRO-1 optimizer"
+    assert checkpoints["ddp<-zero1"]["after_load"]["params"] == zero1_masters
+    assert checkpoints["zero0"]["at_save"]["masters"] == {}  # fp32 without ZeRO: no copy
+    assert (
+        checkpoints["ddp<-zero0"]["after_load"]["params"]
+        == (checkpoints["zero0"]["at_save"]["params"])
+    )
     assert checkpoints["zero0<-zero0"]["losses"] == checkpoints["zero0"]["losses"][2:]
     assert checkpoints["ddp<-zero0"]["losses"] == checkpoints["zero0"]["losses"][2:]
