@@ -20,7 +20,7 @@ from typing import Any
 import pluggy
 
 from accelkit import hookspecs
-from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS, checkout_path, pip_install
 from accelkit.config import closest
 from accelkit.errors import BackendNotFoundError, PluginMissingError
 
@@ -28,6 +28,32 @@ log = logging.getLogger("accelkit")
 
 ENTRY_POINT_GROUP = "accelkit"
 DISABLE_ENV = "ACCELKIT_DISABLE_PLUGINS"
+
+__all__ = [
+    "BackendRegistry",
+    "BackendSpec",
+    "PluginHost",
+    "checkout_path",
+    "host",
+    "pip_install",
+    "register_plugin",
+    "reset",
+]
+
+#: how a device type a backend may declare in ``devices=`` is named in messages
+DEVICE_WORDS = {"cuda": "a CUDA GPU", "mps": "an Apple MPS device", "cpu": "a CPU"}
+
+
+def device_available(device_type: str) -> bool:
+    """Whether this machine has a device of ``device_type`` (imports torch, no backend library)."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    if device_type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return bool(mps and mps.is_available())
+    return device_type == "cpu"
 
 
 @dataclass
@@ -46,9 +72,24 @@ class BackendSpec:
     description: str = ""
     plugin: str = ""
     alias_of: str | None = None
+    #: device types the backend runs on ("cuda", "mps", "cpu"); empty: any, the CPU included
+    devices: tuple[str, ...] = ()
+    #: why it needs those devices, for a user on a machine without them
+    devices_reason: str = ""
+    #: the models it trains when not any ``torch.nn.Module`` ("" for any), for tools that bring
+    #: their own model (``accelkit demo``) to refuse before they launch
+    models: str = ""
 
     def missing_libraries(self) -> list[str]:
         return [lib for lib in self.requires if importlib.util.find_spec(lib) is None]
+
+    def not_runnable_reason(self) -> str:
+        """Why the backend cannot run on this machine, from its declared ``devices`` ("" when it
+        can). Imports torch; never the backend's library."""
+        if not self.devices or any(device_available(d) for d in self.devices):
+            return ""
+        wanted = " or ".join(DEVICE_WORDS.get(d, f"a {d} device") for d in self.devices)
+        return f"needs {wanted}" + (f" ({self.devices_reason})" if self.devices_reason else "")
 
     def load_class(self) -> Any:
         if isinstance(self.factory, str):
@@ -84,8 +125,16 @@ class BackendRegistry:
         requires: Iterable[str] = (),
         install: str = "",
         description: str = "",
+        devices: Iterable[str] = (),
+        devices_reason: str = "",
+        models: str = "",
     ) -> None:
-        """Register ``name`` (and ``aliases``) for ``factory``; a later plugin may not shadow one."""
+        """Register ``name`` (and ``aliases``) for ``factory``; a later plugin may not shadow one.
+
+        ``devices`` are the device types the backend runs on (empty: any, the CPU included) and
+        ``devices_reason`` says why; ``models`` describes the models it trains when it cannot
+        train any ``torch.nn.Module``. ``accelkit env`` and ``accelkit demo`` read them, so a
+        backend that cannot run here is named with the reason before anything is launched."""
         spec = BackendSpec(
             name,
             factory,
@@ -94,6 +143,9 @@ class BackendRegistry:
             install,
             description,
             self._current_plugin,
+            devices=tuple(devices),
+            devices_reason=devices_reason,
+            models=models,
         )
         for key in (name, *aliases):
             if key in self._specs and self._specs[key].plugin != spec.plugin:

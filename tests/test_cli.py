@@ -72,7 +72,13 @@ def test_env_json_lists_native_backends_with_status():
     assert report["versions"]["torch"] == torch.__version__
     assert report["devices"]["cpu"]["usable_cores"] >= 1
     statuses = {b["name"]: b["status"] for b in report["backends"]}
-    allowed = {"ready", "library missing", "failed to load", "not installed"}
+    allowed = {
+        "ready",
+        "installed, not runnable here",
+        "library missing",
+        "failed to load",
+        "not installed",
+    }
     for name in ("cpu", "ddp", "fsdp", "auto"):
         assert statuses.get(name) in allowed, (name, statuses)
     for name in ("cpu", "ddp", "auto"):
@@ -165,6 +171,78 @@ def test_env_reports_missing_library_broken_plugin_and_known_plugins():
     text = env.render(report)
     assert "boom from a broken plugin" in text
     assert "pip install accelkit-test-absent" in text
+
+
+def test_env_tells_installed_from_runnable_here(monkeypatch):
+    """A backend that declares devices this machine lacks is installed but not runnable here,
+    with the reason, in the JSON report and the text."""
+    from accelkit import registry
+    from accelkit.cli import env
+    from accelkit.hookspecs import hookimpl
+
+    class NeedsGpu:
+        @hookimpl
+        def accelkit_register_backends(self, registry):
+            registry.add(
+                "needs_gpu",
+                "accelkit.backends.single:SingleDeviceBackend",
+                devices=("cuda",),
+                devices_reason="its kernels are CUDA only",
+            )
+
+    monkeypatch.setattr(registry, "device_available", lambda device: device == "cpu")
+    registry.reset()
+    try:
+        registry.register_plugin(NeedsGpu(), "needs-gpu")
+        report = env.collect()
+    finally:
+        registry.reset()
+    backends = {b["name"]: b for b in report["backends"]}
+    entry = backends["needs_gpu"]
+    assert entry["status"] == "installed, not runnable here", entry
+    assert entry["installed"] is True and entry["runnable_here"] is False
+    assert entry["reason"] == "needs a CUDA GPU (its kernels are CUDA only)"
+    for name in ("cuda", "gpu", "mps"):  # the native single-device backends declare theirs
+        assert backends[name]["status"] == "installed, not runnable here", backends[name]
+    assert backends["cpu"]["status"] == "ready" and backends["cpu"]["runnable_here"] is True
+    text = env.render(report)
+    assert "installed, not runnable here: needs a CUDA GPU (its kernels are CUDA only)" in text
+
+
+def test_env_on_this_machine_names_cuda_only_plugin_backends():
+    """The plugins' own declarations, read without importing their libraries: on a machine
+    without CUDA, FairScale's FSDP and Gemini are installed but not runnable here."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = accelkit("env", "--json")
+    assert out.returncode == 0, out.stderr
+    backends = {b["name"]: b for b in json.loads(out.stdout)["backends"]}
+    for name in ("fairscale_fsdp", "colossalai_gemini"):
+        if backends.get(name, {}).get("installed"):
+            assert backends[name]["status"] == "installed, not runnable here", backends[name]
+            assert backends[name]["reason"].startswith("needs a CUDA GPU"), backends[name]
+
+
+def test_install_lines_run_as_printed():
+    """Every plugin install line names this interpreter and paths that exist: pip on PATH may be
+    another Python's, and the plugin distributions are not on a package index."""
+    import shlex
+
+    from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+
+    root = Path(__file__).parents[1]
+    for name, (_, line) in KNOWN_PLUGIN_BACKENDS.items():
+        for command in line.split(" && "):
+            words = shlex.split(command)
+            if words[0] == "bash":
+                assert Path(words[1]).is_file(), (name, line)
+                assert words[2] == sys.executable, (name, line)
+                continue
+            assert words[:4] == [sys.executable, "-m", "pip", "install"], (name, line)
+            assert words[4] == "-e" and Path(words[5], "pyproject.toml").is_file(), (name, line)
+            assert Path(words[5]).resolve().parent == root / "plugins", (name, line)
 
 
 # ---- run -----------------------------------------------------------------------------------------

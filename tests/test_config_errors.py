@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -45,18 +46,22 @@ def test_unknown_backend_far_from_any_name_has_no_guess(only_native_plugins):
 
 
 @pytest.mark.parametrize(
-    "name, distribution",
+    "name, distribution, folder",
     [
-        ("colossalai_gemini", "accelkit-colossalai"),
-        ("apex", "accelkit-apex"),
-        ("fairscale_fsdp", "accelkit-fairscale"),
+        ("colossalai_gemini", "accelkit-colossalai", "colossalai"),
+        ("apex", "accelkit-apex", "apex"),
+        ("fairscale_fsdp", "accelkit-fairscale", "fairscale"),
     ],
 )
-def test_known_plugin_not_installed_gives_its_pip_line(only_native_plugins, name, distribution):
+def test_known_plugin_not_installed_gives_its_pip_line(
+    only_native_plugins, name, distribution, folder
+):
     with pytest.raises(accelkit.PluginMissingError) as info:
         accelkit.get(name)
     message = str(info.value)
-    assert f"pip install {distribution}" in message
+    assert repr(distribution) in message
+    # the distributions are not on a package index: the line installs the repository's folder
+    assert f"-m pip install -e {Path(accelkit.__file__).parents[1] / 'plugins' / folder}" in message
     assert "not installed" in message
     assert isinstance(info.value, ImportError)  # `except ImportError` keeps working
 

@@ -19,9 +19,13 @@ def accelkit_register_backends(registry: Any) -> None:
         "accelkit.backends.single:SingleDeviceBackend",
         aliases=("gpu",),
         description="one CUDA device",
+        devices=("cuda",),
     )
     registry.add(
-        "mps", "accelkit.backends.single:SingleDeviceBackend", description="Apple MPS device"
+        "mps",
+        "accelkit.backends.single:SingleDeviceBackend",
+        description="Apple MPS device",
+        devices=("mps",),
     )
     registry.add(
         "ddp",

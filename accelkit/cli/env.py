@@ -16,9 +16,17 @@ from importlib import metadata
 from typing import Any
 
 READY = "ready"
+#: installed, but this machine lacks what the backend declared it needs (a CUDA GPU, ...)
+NOT_RUNNABLE = "installed, not runnable here"
 LIBRARY_MISSING = "library missing"
 FAILED = "failed to load"
 NOT_INSTALLED = "not installed"
+
+#: printed under the table when it shows install lines
+INSTALL_NOTE = (
+    "Install lines install into this Python; docs/getting-started.md (Install) says how to install "
+    "from the accelkit repository."
+)
 
 
 def add_parser(parser: argparse.ArgumentParser) -> None:
@@ -153,10 +161,17 @@ def plugins_and_backends() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             entry["alias_of"] = spec.alias_of
         missing = spec.missing_libraries()
         module_name = _factory_module(spec.factory)
+        not_runnable = spec.not_runnable_reason()
+        entry.update(installed=not missing, runnable_here=not missing and not not_runnable)
+        if not_runnable:
+            entry["needs"] = not_runnable
         if missing:
             entry.update(status=LIBRARY_MISSING, missing=missing, install=spec.install or None)
         elif module_name and not _module_exists(module_name):
             entry.update(status=FAILED, reason=f"module {module_name!r} not found")
+            entry.update(installed=False, runnable_here=False)
+        elif not_runnable:
+            entry.update(status=NOT_RUNNABLE, reason=not_runnable)
         backends.append(entry)
 
     registered = set(host.registry.names())
@@ -169,11 +184,25 @@ def plugins_and_backends() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         record = failed.get(dist.lower())
         if record is not None:
             backends.append(
-                {"name": name, "status": FAILED, "plugin": record.name, "reason": record.error}
+                {
+                    "name": name,
+                    "status": FAILED,
+                    "plugin": record.name,
+                    "reason": record.error,
+                    "installed": False,
+                    "runnable_here": False,
+                }
             )
         else:
             backends.append(
-                {"name": name, "status": NOT_INSTALLED, "distribution": dist, "install": pip_line}
+                {
+                    "name": name,
+                    "status": NOT_INSTALLED,
+                    "distribution": dist,
+                    "install": pip_line,
+                    "installed": False,
+                    "runnable_here": False,
+                }
             )
     return plugins, backends
 
@@ -184,13 +213,18 @@ def check_imports(backends: list[dict[str, Any]]) -> None:
 
     host = registry.host()
     for entry in backends:
-        if entry["status"] != READY:
+        if entry["status"] not in (READY, NOT_RUNNABLE):
             continue
         spec = host.registry.get(entry["name"])
         try:
             spec.load_class()
         except Exception as err:
-            entry.update(status=FAILED, reason=f"{type(err).__name__}: {err}")
+            entry.update(
+                status=FAILED,
+                reason=f"{type(err).__name__}: {err}",
+                installed=False,
+                runnable_here=False,
+            )
 
 
 def collect() -> dict[str, Any]:
@@ -267,10 +301,33 @@ def render(report: dict[str, Any]) -> str:
             detail = f"needs {', '.join(entry['missing'])}: {entry.get('install') or ''}".rstrip(
                 ": "
             )
+            if entry.get("needs"):
+                detail += f"; and it {entry['needs']}"
         elif status == NOT_INSTALLED:
             detail = entry["install"]
         else:
             detail = entry.get("reason", "")
-        rows.append([entry["name"], status, detail])
-    lines += _table(rows)
+        if status == NOT_RUNNABLE:  # one cell: "installed, not runnable here: needs a CUDA GPU"
+            rows.append([entry["name"], f"{status}: {detail}"])
+        else:
+            rows.append([entry["name"], status, detail])
+    lines += _table_ragged(rows)
+    if any(e["status"] in (LIBRARY_MISSING, NOT_INSTALLED) for e in report["backends"]):
+        lines += ["", INSTALL_NOTE]
     return "\n".join(lines)
+
+
+def _table_ragged(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    """A table whose rows may end early: the columns are aligned on the full rows."""
+    full = [row for row in rows if len(row) == 3]
+    widths = [max((len(row[i]) for row in full), default=0) for i in range(2)]
+    name_width = max([widths[0], *(len(row[0]) for row in rows)], default=0)
+    out = []
+    for row in rows:
+        if len(row) == 3:
+            out.append(
+                indent + "  ".join([row[0].ljust(name_width), row[1].ljust(widths[1]), row[2]])
+            )
+        else:
+            out.append(indent + "  ".join([row[0].ljust(name_width), row[1]]))
+    return out

@@ -8,6 +8,9 @@ from typing import Any
 import accelkit
 from accelkit_apex.probe import INSTALL
 
+#: why both backends need a GPU (read by ``accelkit env`` and ``accelkit demo``)
+_CUDA_ONLY = "Apex's fused optimizers and norms run only as its compiled CUDA kernels"
+
 
 @accelkit.hookimpl
 def accelkit_register_backends(registry: Any) -> None:
@@ -16,6 +19,8 @@ def accelkit_register_backends(registry: Any) -> None:
         "accelkit_apex.backend:ApexBackend",
         requires=("apex",),
         install=INSTALL,
+        devices=("cuda",),
+        devices_reason=_CUDA_ONLY,
         description="one CUDA device; torch autocast precision, the optimizer swapped for Apex's "
         "fused twin (FusedAdam, FusedSGD), optional fused norms",
     )
@@ -24,6 +29,8 @@ def accelkit_register_backends(registry: Any) -> None:
         "accelkit_apex.distributed_adam:DistributedAdamBackend",
         requires=("apex",),
         install=INSTALL,
+        devices=("cuda",),
+        devices_reason=_CUDA_ONLY,
         description="Apex DistributedFusedAdam (ZeRO-2: optimizer state and gradients sharded, "
         "its own gradient sync; CUDA, NCCL)",
     )

@@ -253,6 +253,8 @@ def test_accelkit_env_imports_no_apex_into_its_own_process():
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     libraries, status, heavy = json.loads(line[len("RESULT") :])
     assert heavy == []
-    assert status == "ready" and libraries["apex imports"] == "yes"
+    # apex declares it needs CUDA: found but not runnable on a machine without it
+    runnable = "ready" if torch.cuda.is_available() else "installed, not runnable here"
+    assert status == runnable and libraries["apex imports"] == "yes"
     assert "amp_C" in libraries["apex compiled modules"]
     assert Path(FAKE_ROOT).name in libraries["apex"]

@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import accelkit
 
-#: colossalai pins torch<=2.5.1, so it is installed without its dependency resolution
+#: colossalai pins torch<=2.5.1, so its script installs it without dependency resolution, next to
+#: the interpreter that runs accelkit (the plugin is installed: this module runs)
+_SCRIPT = Path(__file__).resolve().parents[1] / "install_colossalai.sh"
 INSTALL = (
-    "pip install accelkit-colossalai 'accelkit-colossalai[booster]' && "
-    "pip install --no-deps colossalai==0.5.0  (see docs/backends/colossalai.md)"
+    f"bash {shlex.quote(str(_SCRIPT))} {shlex.quote(sys.executable)}"
+    if _SCRIPT.is_file()
+    else f"bash plugins/colossalai/install_colossalai.sh {shlex.quote(sys.executable)}  "
+    "(from the root of an accelkit checkout)"
 )
 
+#: what colossalai_hybrid trains: HybridParallelPlugin shards every model through Shardformer
+HYBRID_MODELS = (
+    "a model ColossalAI's Shardformer has a policy for (most Hugging Face transformers models: "
+    "Llama, GPT-2, BERT, ...); a plain torch.nn.Module fails with its 'Auto policy' error"
+)
+
+#: name -> (factory, description)
 BACKENDS: dict[str, tuple[str, str]] = {
     "colossalai_ddp": (
         "accelkit_colossalai.backend:ColossalDDPBackend",
@@ -33,6 +47,17 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: name -> what it needs beyond colossalai (read by ``accelkit env`` and ``accelkit demo``)
+REQUIREMENTS: dict[str, dict[str, Any]] = {
+    "colossalai_gemini": {
+        "devices": ("cuda",),
+        "devices_reason": "Gemini's optimizers are CUDA kernels and its chunks use CUDA streams; "
+        "on the CPU use colossalai_zero or colossalai_ddp",
+    },
+    "colossalai_hybrid": {"models": HYBRID_MODELS},
+}
+
+
 @accelkit.hookimpl
 def accelkit_register_backends(registry: Any) -> None:
     for name, (factory, description) in BACKENDS.items():
@@ -42,6 +67,7 @@ def accelkit_register_backends(registry: Any) -> None:
             requires=("colossalai",),
             install=INSTALL,
             description=description,
+            **REQUIREMENTS.get(name, {}),
         )
 
 

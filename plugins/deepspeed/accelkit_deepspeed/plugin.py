@@ -6,9 +6,12 @@ from importlib import metadata
 from typing import Any
 
 import accelkit
+from accelkit.registry import pip_install
 
 FACTORY = "accelkit_deepspeed.backend:DeepSpeedBackend"
-INSTALL = "pip install accelkit-deepspeed deepspeed"
+#: the plugin is installed (this module runs), so only its library can be missing; 0.19.8 is the
+#: version it is tested with (it needs >= 0.17.2)
+INSTALL = pip_install("deepspeed==0.19.8")
 
 #: name -> (preset short options, description)
 SHORTCUTS: dict[str, tuple[dict[str, Any], str]] = {

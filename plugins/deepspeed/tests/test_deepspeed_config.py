@@ -7,6 +7,7 @@ touched, so these tests run in pytest's own process and check that deepspeed sta
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import pytest
@@ -48,7 +49,8 @@ def test_plugin_registers_names_without_importing_deepspeed():
     }
     spec = host.registry.get("deepspeed")
     assert spec.requires == ("deepspeed",)
-    assert spec.install == "pip install accelkit-deepspeed deepspeed"
+    # runnable as printed: this interpreter's pip, the version the plugin is tested with
+    assert spec.install == f"{shlex.quote(sys.executable)} -m pip install deepspeed==0.19.8"
     report = host.env_report()
     assert report["deepspeed"] and report["accelkit-deepspeed"] == "0.1.0"
 

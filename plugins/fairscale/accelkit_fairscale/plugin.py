@@ -6,8 +6,10 @@ from importlib import metadata
 from typing import Any
 
 import accelkit
+from accelkit.registry import pip_install
 
-_INSTALL = "pip install accelkit-fairscale  (it pulls fairscale==0.4.13)"
+#: the plugin is installed (this module runs), so only its library can be missing
+_INSTALL = pip_install("fairscale==0.4.13")
 
 
 @accelkit.hookimpl
@@ -18,6 +20,9 @@ def accelkit_register_backends(registry: Any) -> None:
         requires=("fairscale",),
         install=_INSTALL,
         description="FairScale FullyShardedDataParallel (flat parameters sharded; needs CUDA)",
+        devices=("cuda",),
+        devices_reason="FairScale 0.4.13's FullyShardedDataParallel drives CUDA streams "
+        "unconditionally, whatever its options; on the CPU use fsdp, fairscale_oss or fairscale_sdp",
     )
     registry.add(
         "fairscale_oss",
