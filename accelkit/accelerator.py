@@ -1,6 +1,7 @@
-"""The one facade users touch. It owns the training semantics of DESIGN.md (the micro-batch
-counter, loss scaling for accumulation, when a window closes, scheduler stepping) and delegates
-everything backend-specific to a :class:`~accelkit.backend.Backend`."""
+"""The one facade users touch. It owns the training semantics of docs/architecture.md,
+"Semantics that hold on every backend" (the micro-batch counter, loss scaling for accumulation,
+when a window closes, scheduler stepping) and delegates everything backend-specific to a
+:class:`~accelkit.backend.Backend`."""
 
 from __future__ import annotations
 

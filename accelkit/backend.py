@@ -64,7 +64,10 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Settings:
-    """The training semantics shared by every backend (DESIGN.md)."""
+    """The training semantics shared by every backend.
+
+    See docs/architecture.md, "Semantics that hold on every backend".
+    """
 
     precision: str | None = None
     accumulation_steps: int = 1

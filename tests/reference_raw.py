@@ -5,7 +5,8 @@ the model, the data order, the accumulation rule, clipping, loss scaling and sch
 are written out here by hand from their documented rules, so a bug in accelkit cannot hide in a
 helper both sides use.
 
-Rules reproduced (DESIGN.md, ``Accelerator.step`` and ``ResumableSampler`` docstrings):
+Rules reproduced (docs/architecture.md, "Semantics that hold on every backend";
+``Accelerator.step`` and ``ResumableSampler`` docstrings):
 
 * data order: ``torch.randperm(n, generator seeded seed + epoch)`` when shuffling, else
   ``arange(n)``; rank ``r`` of ``W`` takes ``order[r::W]`` and batches it consecutively.

@@ -1,4 +1,5 @@
-"""The portable checkpoint across processes, backends and world sizes (issue 4, DESIGN.md).
+"""The portable checkpoint across processes, backends and world sizes (issue 4;
+docs/architecture.md, "The portable checkpoint").
 
 Each launch runs a list of jobs on ``cpu`` x1, ``ddp`` x2 or ``fsdp`` x2 (gloo). A job trains the
 workload of ``test_checkpoint_reference`` through accelkit, optionally loading a checkpoint

@@ -1,5 +1,6 @@
 """``setup_dataloader``: sharding by rank, per-epoch order, mid-epoch resume at the same or
-another world size, padded samples in ``gather_for_metrics``, worker seeding (DESIGN.md "Data").
+another world size, padded samples in ``gather_for_metrics``, worker seeding
+(docs/architecture.md, "Semantics that hold on every backend": data).
 
 The expected orders are written from the documented rule of ``ResumableSampler``, not read
 from it: the global order of epoch ``e`` is ``torch.randperm(n)`` from a generator seeded

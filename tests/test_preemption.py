@@ -2,7 +2,8 @@
 and exits 0, and a restart with ``auto_resume`` continues the run as if nothing had happened.
 
 The reference is the same loop run without interruption: at the same world size the resumed
-loss curve and data order must equal it exactly (DESIGN.md "What resume promises" (a), (d), (e)).
+loss curve and data order must equal it exactly (docs/architecture.md,
+"The portable checkpoint": what resume promises (a), (d), (e)).
 """
 
 from __future__ import annotations

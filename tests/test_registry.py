@@ -1,4 +1,4 @@
-"""Plugin discovery (issue 2, item 7; DESIGN.md "Discovery").
+"""Plugin discovery (issue 2, item 7; docs/architecture.md, "Discovery").
 
 Real throwaway plugin distributions -- each with its own pyproject.toml and an entry point of
 group ``accelkit`` -- are pip-installed into a temporary directory, and fresh interpreters with

@@ -1,5 +1,6 @@
 """The optimizer ``setup`` returns, LR schedulers on it, and the accumulation window's edges
-(DESIGN.md "Optimizer and scheduler", "Accumulation", "Clipping")."""
+(docs/architecture.md, "Semantics that hold on every backend": optimizer and scheduler,
+accumulation, clipping)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ColossalAI state in accelkit's portable checkpoint (DESIGN.md, "The portable checkpoint").
+"""ColossalAI state in the portable checkpoint (docs/architecture.md, "The portable checkpoint").
 
 - **TorchDDP, Hybrid without a separate master** (fp32, ZeRO off): parameters and optimizer state
   are whole replicas; accelkit's dense writer splits the writing across ranks.

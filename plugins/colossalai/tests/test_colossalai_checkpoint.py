@@ -5,7 +5,8 @@ Each job trains one shuffled epoch of 7 steps (batch 2 per rank, or 4 on one pro
 global batches), clipping at 1.0, saves after step 4, and dumps the full state gathered WITHOUT
 accelkit's checkpoint code (torch state dicts; ColossalAI's own gathering
 ``LowLevelZeroOptimizer.state_dict()`` for colossalai_zero) at the save and right after a load.
-Promises checked (DESIGN.md): same backend and world size resumes bit-exactly (fp32 master
+Promises checked (docs/architecture.md, "The portable checkpoint", what resume promises):
+same backend and world size resumes bit-exactly (fp32 master
 shards included under bf16-true); any backend or world size receives the weights and optimizer
 state bit for bit; the loss curve after a cross-backend resume tracks the uninterrupted run within
 LOSS_RTOL; a flipped byte or a missing rank file fails the load on every rank, naming the file.

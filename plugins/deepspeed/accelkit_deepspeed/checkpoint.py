@@ -1,4 +1,4 @@
-"""DeepSpeed state in accelkit's portable checkpoint (DESIGN.md, "The portable checkpoint").
+"""DeepSpeed state in the portable checkpoint (docs/architecture.md, "The portable checkpoint").
 
 Each rank writes the ranges of each parameter it holds, as fragments of the parameter's
 flattened form, and reads back the ranges it holds now, whatever world size or backend wrote the

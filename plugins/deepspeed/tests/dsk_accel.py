@@ -1,4 +1,5 @@
-"""The accelkit side of the equivalence tests: the loop of DESIGN.md on a ``deepspeed`` backend.
+"""The accelkit side of the equivalence tests: the loop of docs/architecture.md
+("Semantics that hold on every backend") on a ``deepspeed`` backend.
 
 It shares no code with dsk_reference.py (the model and data are written out again here).
 """

@@ -2,7 +2,7 @@
 
 Three launches (1, 2, then 1 gloo processes) run every scenario as a list of jobs
 (dsk_ckpt.py): train 6 steps of AdamW with a LambdaLR, save at step 3, load into another run and
-finish it. The checks follow DESIGN.md's promises:
+finish it. The checks follow the promises of docs/architecture.md, "The portable checkpoint":
 
 * same stage and world size: the state gathered right after the load equals the state at the
   save bit for bit, and the resumed losses equal the uninterrupted run's;

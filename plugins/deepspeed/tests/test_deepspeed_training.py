@@ -5,7 +5,8 @@ Each test launches 1 or 2 gloo processes; in each, every scenario is trained thr
 same data (7 micro-batches per rank and epoch, 2 epochs, accumulation 3: windows of 3, 3 and a
 short 1, which accelkit divides by 3 like the others):
 
-* accelkit (dsk_accel.py): ``accelkit.get("deepspeed", ...)`` and DESIGN.md's loop;
+* accelkit (dsk_accel.py): ``accelkit.get("deepspeed", ...)`` and the loop of
+  docs/architecture.md, "Semantics that hold on every backend";
 * raw DeepSpeed (dsk_reference.py), with its config written out by hand and the same window rule
   driven through ``set_gradient_accumulation_boundary`` -- the losses, grad norms and final
   weights must be *equal*;

@@ -1,4 +1,4 @@
-"""FairScale state in accelkit's portable checkpoint (DESIGN.md, docs/checkpoint.md).
+"""FairScale state in the portable checkpoint (docs/architecture.md, "The portable checkpoint").
 
 Nothing is gathered to write a checkpoint; every rank writes what it holds:
 

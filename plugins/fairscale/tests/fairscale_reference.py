@@ -7,7 +7,8 @@ data and loop are its own. It runs under ``torchrun`` (2 gloo processes on the C
 the rank-averaged loss of every micro-batch, the gradient norm of every optimizer step, and the
 final full parameters.
 
-The loop is the one accelkit promises (DESIGN.md): every micro-batch loss is divided by the
+The loop is the one accelkit promises (docs/architecture.md,
+"Semantics that hold on every backend"): every micro-batch loss is divided by the
 accumulation steps N; the optimizer steps after N micro-batches or at the loader's last batch,
 whichever comes first (so a short last window is still scaled by 1/N); the window's earlier
 micro-batches run under the wrapper's ``no_sync`` (unless ``cfg["no_sync"]`` is False); clipping and the reported norm use the

@@ -4,7 +4,8 @@ processes; world-size changes through ``cpu`` on 1 process).
 Each job trains 10 steps (batch 2 per rank, or 4 on one process: the same global batches),
 saves after step 6, and dumps the full state gathered WITHOUT accelkit's checkpoint code (torch
 state_dict for cpu/ddp, FairScale's ``OSS.consolidate_state_dict``) at the save and right after
-a load. Promises checked (DESIGN.md): same backend and world size resumes bit-exactly; any
+a load. Promises checked (docs/architecture.md, "The portable checkpoint", what resume
+promises): same backend and world size resumes bit-exactly; any
 backend/world size receives the weights and optimizer state bit for bit; the loss curve after a
 cross-backend resume tracks the uninterrupted run within LOSS_RTOL; a flipped byte or a missing
 rank file fails the load on every rank with a message naming the file.
