@@ -16,7 +16,7 @@ the CPU with small shapes for a smoke run::
 
     python bench/fsdp_gpt.py --steps 20 --repeats 5 --out result.json
     torchrun --nproc-per-node 8 bench/fsdp_gpt.py --out result.json
-    python bench/fsdp_gpt.py --device cpu --layers 2 --width 64 --seq 32 --vocab 512 \\
+    python bench/fsdp_gpt.py --device cpu --layers 2 --width 64 --heads 4 --seq 32 --vocab 512 \\
         --batch 2 --steps 3 --warmup 1 --repeats 2 --configs eager --out /tmp/smoke.json
 """
 
@@ -82,6 +82,7 @@ def build_raw(args: argparse.Namespace, device: torch.device, compile: bool) -> 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
+    torch.manual_seed(args.seed)  # the same initial weights as the accelkit side's device build
     with device:
         model = GPT(args.vocab, args.width, args.layers, args.heads, args.seq)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -116,6 +117,7 @@ def build_accelkit(args: argparse.Namespace, device: torch.device, compile: bool
     accel = accelkit.get(
         "fsdp", device=device.type, precision="bf16-mixed", max_grad_norm=args.clip
     )
+    torch.manual_seed(args.seed)  # with --no-meta-init: raw's initial weights
     with accel.init_module(empty_init=args.meta_init):
         model = GPT(args.vocab, args.width, args.layers, args.heads, args.seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused)
@@ -258,6 +260,12 @@ def main() -> int:
         dest="meta_init",
         action="store_false",
         help="accelkit side builds on the device instead of the meta device",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed before each side's model build (with --no-meta-init both start equal)",
     )
     p.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 ceiling")
     args = p.parse_args()
