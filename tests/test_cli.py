@@ -415,6 +415,100 @@ def test_demo_unknown_backend_fails_with_the_registered_names(tmp_path):
     assert "Did you mean 'cpu'" in out.stderr
 
 
+@pytest.fixture
+def demo_probes(monkeypatch):
+    """In-process backends for the demo's up-front checks: one needs a GPU, one trains only
+    transformer models, one records the order of the demo's setup calls. No CUDA here."""
+    from accelkit import registry
+    from accelkit.backends.single import SingleDeviceBackend
+    from accelkit.hookspecs import hookimpl
+
+    calls: list[str] = []
+
+    class OrderProbe(SingleDeviceBackend):
+        def launch(self):
+            self.name = "cpu"  # SingleDeviceBackend takes the device from its name
+            super().launch()
+
+        def setup(self, model, optimizers, **kwargs):
+            calls.append("setup")
+            return super().setup(model, optimizers, **kwargs)
+
+        def on_dataloader(self, loader):
+            calls.append("setup_dataloader")
+
+    class Probes:
+        @hookimpl
+        def accelkit_register_backends(self, registry):
+            registry.add("probe_order", OrderProbe)
+            registry.add(
+                "probe_gpu_only",
+                SingleDeviceBackend,
+                devices=("cuda",),
+                devices_reason="its kernels are CUDA only",
+            )
+            registry.add(
+                "probe_transformers_only", SingleDeviceBackend, models="a transformers model"
+            )
+
+    monkeypatch.setattr(registry, "device_available", lambda device: device == "cpu")
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    registry.reset()
+    registry.register_plugin(Probes(), "demo-probes")
+    yield calls
+    registry.reset()
+
+
+@pytest.mark.parametrize(
+    "backend, reason",
+    [
+        ("probe_gpu_only", "cannot run here: it needs a CUDA GPU (its kernels are CUDA only)"),
+        ("probe_transformers_only", "trains a transformers model; the demo's model is a plain"),
+    ],
+)
+def test_demo_refuses_up_front_once(demo_probes, capsys, backend, reason):
+    """Refused in the parent, before any process is launched: one message, no traceback."""
+    from accelkit.cli import main
+
+    assert main(["demo", "--backend", backend, "--nproc", "2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("accelkit demo:") == 1 and reason in err, err
+
+
+def test_demo_sets_up_the_loader_before_the_model(demo_probes):
+    """The order that needs no micro-batch advice from DeepSpeed: the loader first."""
+    import argparse
+
+    from accelkit.cli import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser)
+    args = parser.parse_args(["--backend", "probe_order"])
+    demo.build(args, demo.make_dataset(0), 4, init_seed=0)
+    assert demo_probes == ["setup_dataloader", "setup"]
+
+
+def test_demo_writes_to_a_fresh_temp_dir_per_run(monkeypatch, tmp_path, capsys):
+    """Without --out each run gets its own new directory (a fixed path in /tmp would be shared
+    by every user of the machine), and says where."""
+    import tempfile
+
+    from accelkit.cli import main
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    outs = []
+    for _ in range(2):
+        assert main(["demo", "--steps", "2", "--resume-steps", "0", "--no-progress"]) == 0
+        printed = capsys.readouterr().out
+        out = printed.split("accelkit demo: writing to ", 1)[1].split("\n", 1)[0]
+        assert Path(out, "summary.json").is_file() and f"summary     {out}" in printed
+        outs.append(Path(out))
+    assert outs[0] != outs[1] and all(o.parent == tmp_path for o in outs), outs
+
+
 @pytest.mark.gpu
 def test_demo_on_cuda_in_bf16(tmp_path):
     out = accelkit(

@@ -49,7 +49,8 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         default=None,
-        help="directory for the checkpoint and summary.json (default: a temp dir)",
+        help="directory for the checkpoint and summary.json (default: a new temporary directory "
+        "for this run, printed at the start and in the summary)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -60,10 +61,45 @@ def run(args: argparse.Namespace) -> int:
             "accelkit demo: --nproc and --steps must be >= 1, --resume-steps >= 0", file=sys.stderr
         )
         return 2
-    args.out = str(Path(args.out or Path(tempfile.gettempdir()) / "accelkit-demo").resolve())
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+    launched = "WORLD_SIZE" in os.environ  # a rank of the relaunch below, or under torchrun
+    if not launched or os.environ.get("RANK", "0") == "0":
+        refusal = refuse(args.backend)
+        if refusal:  # said once, before any process is launched
+            print(f"accelkit demo: {refusal}", file=sys.stderr)
+            return 2
+    if args.out is None:
+        if launched:  # every rank must write into the same directory
+            print("accelkit demo: under a launcher, pass --out DIR", file=sys.stderr)
+            return 2
+        # a fresh directory per run: a fixed path in /tmp would be shared by every user
+        args.out = tempfile.mkdtemp(prefix="accelkit-demo-")
+        print(f"accelkit demo: writing to {args.out}", flush=True)
+    args.out = str(Path(args.out).resolve())
+    if args.nproc > 1 and not launched:
         return _relaunch(args)
     return _worker(args)
+
+
+def refuse(backend: str) -> str:
+    """Why the demo cannot run ``backend`` here ("" when it can): an unknown or uninstalled name,
+    a device this machine lacks, or a backend that cannot train the demo's plain MLP. Read from
+    what the backend declared at registration, so nothing is launched to find out."""
+    from accelkit import registry
+    from accelkit.errors import AccelkitError
+
+    try:
+        spec = registry.host().resolve(backend)
+    except AccelkitError as err:
+        return str(err)
+    not_runnable = spec.not_runnable_reason()
+    if not_runnable:
+        return f"backend {backend!r} is installed but cannot run here: it {not_runnable}"
+    if spec.models:
+        return (
+            f"backend {backend!r} trains {spec.models}; the demo's model is a plain "
+            "torch.nn.Sequential MLP, so the demo cannot run it"
+        )
+    return ""
 
 
 def _relaunch(args: argparse.Namespace) -> int:
@@ -139,11 +175,13 @@ def build(args: argparse.Namespace, dataset: Any, total_steps: int, init_seed: i
     with accel.init_module():
         model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    model, optimizer = accel.setup(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    # the loader before the model: a backend that wants the micro-batch size (DeepSpeed's
+    # train_micro_batch_size_per_gpu) takes it from the loader, and needs no advice
     loader = accel.setup_dataloader(
         torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
     )
+    model, optimizer = accel.setup(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     return Run(accel, model, optimizer, scheduler, loader)
 
 
