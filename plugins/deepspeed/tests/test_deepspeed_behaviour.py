@@ -6,6 +6,8 @@ All checks run in one launched process (dsk_checks.all_checks); each test assert
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from dsk_launch import run_ranks
 
@@ -96,3 +98,50 @@ def test_fp16_is_refused_at_get_where_the_device_lacks_it(checks):
     assert result["16-true"].startswith("ConfigError")
     assert "16-mixed" in result["16-true"] and "a GPU" in result["16-true"]
     assert result["16-mixed"] is None  # torch autocast fp16 does not need DeepSpeed's fp16
+
+
+DEPRECATED_COLLECTIVES_SCRIPT = """
+import json
+import warnings
+import torch
+import torch.distributed as dist
+import accelkit
+
+accel = accelkit.get("deepspeed_stage_3")  # imports DeepSpeed; one process joins a gloo group
+assert dist.is_initialized() and dist.get_world_size() == 1
+with warnings.catch_warnings(record=True) as seen:
+    for _ in range(3):  # what ZeRO-3 calls on every step
+        dist.all_gather_into_tensor(torch.zeros(2), torch.ones(2))
+        dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+    warnings.warn("a FutureWarning of the user's own", FutureWarning)
+print("SEEN", json.dumps([str(w.message) for w in seen]))
+"""
+
+
+def test_torch_deprecation_of_deepspeeds_collectives_is_silenced_and_nothing_else():
+    """torch deprecates all_gather_into_tensor and reduce_scatter_tensor, which DeepSpeed's ZeRO
+    calls every step: the FutureWarning came about once per step per rank. In a subprocess, so
+    pytest's own process keeps DeepSpeed unimported."""
+    import os
+    import subprocess
+    import sys
+
+    launch_vars = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    done = subprocess.run(
+        [sys.executable, "-c", DEPRECATED_COLLECTIVES_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.split("SEEN ", 1)[1])
+    assert seen == ["a FutureWarning of the user's own"], seen
