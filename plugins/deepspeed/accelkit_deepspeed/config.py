@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from accelkit.config import build_options, load_config_source
+from accelkit.config import build_options, closest, load_config_source
 from accelkit.errors import ConfigError
 from accelkit.precision import DtypeRow
 
@@ -194,7 +194,43 @@ def parse(name: str, config: Any, overrides: dict[str, Any]) -> DeepSpeedOptions
         if "ds_config" in overrides:
             raise ConfigError(f"{owner}: a native config was given twice (config and ds_config=)")
         return build_options(DeepSpeedOptions, owner, {"ds_config": data}, overrides)
+    _check_config_keys(owner, data)
     return build_options(DeepSpeedOptions, owner, data, overrides)
+
+
+def _check_config_keys(owner: str, data: dict[str, Any]) -> None:
+    """A config key that is neither a short option nor one of DeepSpeed's top-level keys (so the
+    config was not taken as native): suggest the nearest of both, and say both are accepted."""
+    short = _short_keys()
+    for key in data:
+        if key in short:
+            continue
+        hint = closest(key, short | NATIVE_KEYS)
+        kind = "option" if hint in short else "DeepSpeed key"
+        raise ConfigError(
+            f"{owner}: unknown option {key!r}."
+            + (f" Did you mean the {kind} {hint!r}?" if hint else "")
+            + " A config holds accelkit's short options ("
+            + ", ".join(sorted(short))
+            + ") or is a native DeepSpeed config, recognised by DeepSpeed's own top-level keys ("
+            + ", ".join(sorted(NATIVE_KEYS & _COMMON_NATIVE_KEYS))
+            + ", ...)."
+        )
+
+
+#: the native keys an unknown-key message lists as examples
+_COMMON_NATIVE_KEYS = frozenset(
+    {
+        "zero_optimization",
+        "bf16",
+        "fp16",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+        "optimizer",
+        "scheduler",
+    }
+)
 
 
 def _short_keys() -> set[str]:

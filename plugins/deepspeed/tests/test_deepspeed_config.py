@@ -75,6 +75,27 @@ def test_unknown_short_option_names_the_valid_ones():
     assert "offload_optimizer" in message and "reduce_bucket_size" in message
 
 
+@pytest.mark.parametrize(
+    "key, hint, kind",
+    [
+        ("zero_optimisation", "zero_optimization", "DeepSpeed key"),
+        ("train_micro_batch_size", "train_micro_batch_size_per_gpu", "option"),
+        ("offload_optimiser", "offload_optimizer", "option"),
+    ],
+)
+def test_misspelled_config_key_suggests_short_and_native_keys(tmp_path, key, hint, kind):
+    """A config whose only key is a misspelled DeepSpeed key is neither native nor short options:
+    the message suggests the nearest of both and says native configs are accepted."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({key: {"stage": 3} if "zero" in key else 1}))
+    for config in ({key: 1}, str(path)):
+        with pytest.raises(ConfigError) as err:
+            accelkit.get("deepspeed", config=config)
+        message = str(err.value)
+        assert f"unknown option {key!r}. Did you mean the {kind} {hint!r}?" in message, message
+        assert "native DeepSpeed config" in message and "zero_optimization" in message
+
+
 def test_short_option_type_and_value_errors():
     with pytest.raises(ConfigError, match="offload_optimizer"):
         accelkit.get("deepspeed", offload_optimizer="gpu")
