@@ -202,8 +202,12 @@ def cuda_worker() -> dict:
 
 
 @pytest.mark.gpu
-def test_launch_on_cuda_gives_each_rank_its_own_gpu():
-    nproc = min(2, torch.cuda.device_count())
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_launch_on_cuda_gives_each_rank_its_own_gpu(nproc):
+    if torch.cuda.device_count() < nproc:  # never a silent one-rank run of the two-rank case
+        pytest.skip(
+            f"{nproc} ranks need {nproc} GPUs; this machine has {torch.cuda.device_count()}"
+        )
     results = accelkit.launch(cuda_worker, nproc=nproc)  # spawn: CUDA and fork do not mix
     assert [r["device"] for r in results] == [f"cuda:{r}" for r in range(nproc)]
     assert all(r["sum"] == nproc for r in results)

@@ -3,7 +3,8 @@ offload, against raw DeepSpeed in the same processes. Run on the GPU machine::
 
     ACCELKIT_GPU_REPORT=/some/dir python3 -m pytest -q -m gpu -o addopts="" plugins/deepspeed/tests
 
-(1 GPU: one rank; 2 or more: two ranks over nccl.) The scenarios, references and checks are the
+Every test runs at world size 1 and 2 (one rank per GPU, nccl); on a machine with fewer GPUs
+the 2-rank case is skipped with the reason, never run on one rank instead. The scenarios, references and checks are the
 CPU tests' (dsk_worker / dsk_reference / dsk_accel), with ``device="cuda"``.
 
 A GPU run is scarce, so these tests do not stop at the first difference: every scenario runs
@@ -36,15 +37,20 @@ from test_deepspeed_training import (
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
-def _nproc() -> int:
-    return min(2, torch.cuda.device_count())
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}rank")
+def nproc(request: pytest.FixtureRequest) -> int:
+    """Ranks of this run, one GPU each: the 2-rank case skips, visibly, on a one-GPU machine."""
+    have = torch.cuda.device_count()
+    if have < request.param:
+        pytest.skip(f"{request.param} ranks need {request.param} GPUs; this machine has {have}")
+    return request.param
 
 
-def run(scenarios: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def run(scenarios: list[dict[str, Any]], nproc: int) -> list[list[dict[str, Any]]]:
     return run_ranks(
         "dsk_worker:compare",
         {"scenarios": [dict(s, device="cuda") for s in scenarios], "keep_going": True},
-        nproc=_nproc(),
+        nproc=nproc,
         device="cuda",
         timeout=900,
     )
@@ -79,6 +85,7 @@ def check_all(
     gpu_report: Any,
     scenarios: list[dict[str, Any]],
     checks: Any,
+    nproc: int,
     *,
     norms_vs_deepspeed: bool = True,
 ) -> None:
@@ -86,13 +93,13 @@ def check_all(
     fail once at the end with everything that differed."""
     all_problems: list[str] = []
     try:
-        ranks = run(scenarios)
+        ranks = run(scenarios, nproc)
     except AssertionError as err:  # the launch itself failed: its output is the report
         gpu_report(scenario="launch", problems=[str(err)[-6000:]])
         raise
     for rank, results in enumerate(ranks):
         for s, result in zip(scenarios, results, strict=True):
-            where = f"rank {rank} {_label(s)}"
+            where = f"rank {rank}/{nproc} {_label(s)}"
             if "error" in result:
                 problems = [f"raised: {result['error']}"]
                 gpu_report(scenario=where, problems=problems)
@@ -126,9 +133,9 @@ def check_all(
     assert not all_problems, "\n".join(all_problems)
 
 
-def _skips_an_overflow(s: dict[str, Any], accel: dict[str, Any], result: Any) -> list[str]:
+def _skips_an_overflow(s: dict[str, Any], accel: dict[str, Any], nproc: int) -> list[str]:
     problems = []
-    want = expected_skipped(_nproc(), s["overflow_at"], s["accumulation"])
+    want = expected_skipped(nproc, s["overflow_at"], s["accumulation"])
     if accel["skipped"] != want:
         problems.append(f"skipped {accel['skipped']}, expected {want}")
     first = want.index(True)
@@ -139,7 +146,7 @@ def _skips_an_overflow(s: dict[str, Any], accel: dict[str, Any], result: Any) ->
     return problems
 
 
-def test_fp16_zero2_and_zero3_offload_skip_an_overflow_like_raw_deepspeed(gpu_report):
+def test_fp16_zero2_and_zero3_offload_skip_an_overflow_like_raw_deepspeed(gpu_report, nproc):
     base = dict(COMMON, precision="16-true", overflow_at=4)
     scenarios = [
         dict(base, stage=2),
@@ -148,41 +155,41 @@ def test_fp16_zero2_and_zero3_offload_skip_an_overflow_like_raw_deepspeed(gpu_re
     ]
 
     def checks(s, accel, result):
-        problems = _skips_an_overflow(s, accel, result)
+        problems = _skips_an_overflow(s, accel, nproc)
         if accel["param_dtype"] != str(torch.float16):
             problems.append(f"param dtype {accel['param_dtype']}")
         return problems
 
-    check_all(gpu_report, scenarios, checks)
+    check_all(gpu_report, scenarios, checks, nproc)
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
-def test_bf16_zero2_and_zero3_offload_match_raw_deepspeed_and_pytorch(gpu_report, precision):
+def test_bf16_zero2_and_zero3_offload_match_raw_deepspeed_and_pytorch(gpu_report, precision, nproc):
     base = dict(COMMON, precision=precision)
     scenarios = [
         dict(base, stage=2),
         dict(base, stage=2, offload_optimizer=True),
         dict(base, stage=3, offload_optimizer=True, offload_param=True, zero_init=True),
     ]
-    check_all(gpu_report, scenarios, lambda s, accel, result: [])
+    check_all(gpu_report, scenarios, lambda s, accel, result: [], nproc)
 
 
-def test_16_mixed_zero2_overflow_backs_the_scale_off_like_torch(gpu_report):
+def test_16_mixed_zero2_overflow_backs_the_scale_off_like_torch(gpu_report, nproc):
     scenarios = [dict(COMMON, precision="16-mixed", overflow_at=4, stage=2, clip=None)]
 
     def checks(s, accel, result):
-        problems = _skips_an_overflow(s, accel, result)
+        problems = _skips_an_overflow(s, accel, nproc)
         scales = result["torch"]["scales"]
         if not accel["scale"] == scales[-1] == 32768.0:
             problems.append(f"scale {accel['scale']}, raw PyTorch {scales[-1]}, expected 32768")
         return problems
 
     # under ZeRO raw DeepSpeed (0.19.8) reports the loss-scaled grad norm (accelkit divides it)
-    check_all(gpu_report, scenarios, checks, norms_vs_deepspeed=False)
+    check_all(gpu_report, scenarios, checks, nproc, norms_vs_deepspeed=False)
 
 
 # ---- the portable checkpoint on CUDA (issue 6) ------------------------------------------------------
-def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path):
+def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path, nproc):
     """ZeRO-3 bf16 on CUDA writes its ranges; ZeRO-3 resumes bit-exactly, and ZeRO-2, ZeRO-3
     with CPU offload and the cpu backend receive fp32 masters and Adam state bit for bit
     (dsk_ckpt's workload, the checks of test_deepspeed_checkpoint.py)."""
@@ -197,9 +204,9 @@ def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path):
         dict(name="z2<-z3", stage=2, precision=bf16, options=cuda, load_from=path),
         dict(name="z3off<-z3", stage=3, precision=bf16, options=offload, load_from=path),
     ]
-    if _nproc() == 1:  # the cpu backend is one process
+    if nproc == 1:  # the cpu backend is one process
         jobs.append(dict(name="cpu<-z3", backend="cpu", load_from=path))
-    results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=_nproc(), device="cuda", timeout=600)
+    results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=nproc, device="cuda", timeout=600)
     runs = results[0]
     all_problems = []
     source = runs["z3"]
@@ -220,6 +227,6 @@ def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path):
             measured = {"loss_max_rel_vs_uninterrupted": max(diffs), "losses": result["losses"]}
             if name == "z3<-z3" and result["losses"] != source["losses"][3:]:
                 problems.append("the same-stage resume does not reproduce the losses exactly")
-        gpu_report(scenario=name, measured=measured, problems=problems)
+        gpu_report(scenario=f"{name} x{nproc}", measured=measured, problems=problems)
         all_problems += [f"{name}: {p}" for p in problems]
     assert not all_problems, "\n".join(all_problems)
