@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
-#        [caitests] [caibench] [apextests] [apexbench]
+#        [caitests] [caibench] [apextests] [apexbench] [fsdpbenchtest] [launchtests]
+#   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
 # ColossalAI's wheels (.whl/colossalai/, see docs/backends/colossalai.md) go into a site of their
@@ -39,13 +40,13 @@ for p in "$@"; do
   case "$p" in
     dstests)
       part dstests
-      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 200 plugins/deepspeed/tests > "$OUTDIR/ds-tests.log" 2>&1
       sed -n '/GPU summary/,$p' "$OUTDIR/ds-tests.log" | tail -70
       tail -3 "$OUTDIR/ds-tests.log" ;;
     dsckpt)
       part dsckpt
       timeout 120 python3 bench/deepspeed_checkpoint.py --out "$OUTDIR/ds-checkpoint.json" > "$OUTDIR/ds-checkpoint.log" 2>&1
-      grep -v -i warn "$OUTDIR/ds-checkpoint.log" | tail -14 ;;
+      grep -v -i warn "$OUTDIR/ds-checkpoint.log" | tail -16 ;;
     dsbench)
       part dsbench
       timeout 200 python3 bench/deepspeed_gpt.py --configs z2:bf16-true,z3:bf16-true --repeats 3 --out "$OUTDIR/deepspeed.json" > "$OUTDIR/deepspeed.log" 2>&1
@@ -126,6 +127,14 @@ for p in "$@"; do
       part dsz3
       ACCELKIT_GPU_REPORT="$OUTDIR" timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 180 -k zero3_bf16_checkpoint plugins/deepspeed > "$OUTDIR/ds-z3-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/ds-z3-tests.log" | tail -10 ;;
+    fsdpbenchtest)
+      part fsdpbenchtest
+      timeout 300 python3 -m pytest -q -rfEs -s -p no:cacheprovider -m gpu -o addopts="" --timeout 280 -k test_gpu_bench_runs_and_matches_loss tests/test_fsdp.py > "$OUTDIR/fsdp-bench-test.log" 2>&1
+      grep -E "rel |^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/fsdp-bench-test.log" | tail -10 ;;
+    launchtests)
+      part launchtests
+      timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 180 tests/test_launch.py > "$OUTDIR/launch-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/launch-tests.log" | tail -10 ;;
     *) echo "unknown part $p" ;;
   esac
 done
