@@ -460,7 +460,7 @@ def run_workload(
             sync(device)
             side.setup_s = time.perf_counter() - started
             if warmup:
-                side.loss = float(loss)
+                side.loss = float(loss.detach())
             if device.type == "cuda":
                 side.resident = torch.cuda.memory_allocated(device) - start_memory
                 side.build_peak = torch.cuda.max_memory_allocated(device) - start_memory
@@ -490,7 +490,7 @@ def run_workload(
                     loss = side.step(next_batch(side))
                 sync(device)
                 side.seconds.append((time.perf_counter() - start) / steps)
-                side.loss = float(loss)
+                side.loss = float(loss.detach())
                 if device.type == "cuda":
                     rise = torch.cuda.max_memory_allocated(device) - base
                     side.transient = max(side.transient, rise)
