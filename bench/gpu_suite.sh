@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
-#        [caitests] [caibench] [apextests] [apexbench] [fsdpbenchtest] [launchtests]
+#        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -90,13 +90,21 @@ for p in "$@"; do
       timeout 150 torchrun --nproc-per-node 1 plugins/fairscale/bench/fsdp_step_time.py --precision 16-mixed > "$OUTDIR/fairscale-16.log" 2>&1
       grep -E "ratio|ms:" "$OUTDIR/fairscale-16.log" ;;
     benchcompile)
+      # raw torch.compile beside accelkit's compile path: cuda+compile's "vs raw" is raw+compile
       part benchcompile
       for b in 8 16; do
-        timeout 260 python3 -m accelkit.cli bench --model gpt2-small --precision bf16-mixed --batch $b \
-          --backends cuda,cuda+compile --steps 20 --warmup 8 --repeats 3 --no-progress \
+        timeout 280 python3 -m accelkit.cli bench --model gpt2-small --precision bf16-mixed --batch $b \
+          --backends raw,raw+compile,cuda,cuda+compile --steps 20 --warmup 8 --repeats 5 --no-progress \
           --out "$OUTDIR/h200-gpt2-compile-b$b.json" > "$OUTDIR/bench-compile-b$b.log" 2>&1
-        tail -8 "$OUTDIR/bench-compile-b$b.log"
+        tail -12 "$OUTDIR/bench-compile-b$b.log"
       done ;;
+    peers)
+      # bench/peers.py: raw PyTorch, Lightning Fabric, HF Accelerate, accelkit in one process; raw
+      # DeepSpeed ZeRO-1/2/3 beside accelkit deepspeed_stage_k in one process per stage (~4 min)
+      part peers
+      timeout 360 python3 bench/peers.py --timeout 170 --out "$OUTDIR/peers.json" \
+        --keep "$OUTDIR/peers-processes" > "$OUTDIR/peers.log" 2>&1
+      grep -v -i warn "$OUTDIR/peers.log" | tail -45 ;;
     caitests)
       part caitests
       PYTHONPATH=$CAI_SITE:$SITE ACCELKIT_GPU_REPORT="$OUTDIR" timeout 420 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 400 ${CAI_K:+-k "$CAI_K"} plugins/colossalai > "$OUTDIR/cai-tests.log" 2>&1
