@@ -108,7 +108,8 @@ class Accelerator:
 
     @property
     def applied_steps(self) -> int:
-        """Optimizer steps applied (windows closed, skipped ones included) since setup."""
+        """Optimizer steps applied (windows closed, skipped ones included) since setup, continued
+        from the checkpoint's count by :meth:`load`."""
         return self._applied_steps
 
     def __repr__(self) -> str:
@@ -234,6 +235,18 @@ class Accelerator:
         self, loss: torch.Tensor, *, model: torch.nn.Module | None = None, **kwargs: Any
     ) -> None:
         """Backward with loss scaling; divides by ``accumulation_steps`` exactly once."""
+        if not self._models or (model is not None and not self._is_set_up(model)):
+            raise UnsupportedError(
+                "backward() on a model that was not set up: the backend never wrapped it, so "
+                "its gradient sync, sharding and loss scaling would silently not happen. Call "
+                "`model, optimizer = accel.setup(model, optimizer)` first and compute the loss "
+                "with the model it returns"
+                + (
+                    " (and pass that one as backward(..., model=...))."
+                    if model is not None
+                    else "."
+                )
+            )
         steps = self.accumulation_steps
         if steps > 1 and not self.capabilities.scales_loss_for_accumulation:
             loss = loss / steps
@@ -247,6 +260,10 @@ class Accelerator:
             closes = not windows or any(self._closes_next(w) for w in windows)
             hook(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
+
+    def _is_set_up(self, model: torch.nn.Module) -> bool:
+        """``model`` is one :meth:`setup` returned, or the user's own module inside one."""
+        return any(model is m or model is self.backend.unwrap(m) for m in self._models)
 
     def _windows_of(self, models: tuple[torch.nn.Module, ...]) -> list[_Window]:
         """The windows of the optimizers of ``models`` (of all optimizers when none match)."""
@@ -499,7 +516,20 @@ class Accelerator:
             raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
         from accelkit.checkpoint import load
 
-        return load(self, path, state, strict=strict, **kwargs)
+        unconsumed = load(self, path, state, strict=strict, **kwargs)
+        self._restore_applied_steps(path)
+        return unconsumed
+
+    def _restore_applied_steps(self, path: str | os.PathLike) -> None:
+        """Continue :attr:`applied_steps` from the checkpoint's count, so a resumed run logs and
+        saves at the steps an uninterrupted one would; checkpoints written before the count was
+        saved leave it as it is."""
+        from accelkit.checkpoint import resolve
+        from accelkit.checkpoint.manifest import Manifest
+
+        saved = Manifest.read(resolve(path), verify_checksum=False).data.get("applied_steps")
+        if isinstance(saved, int) and not isinstance(saved, bool):
+            self._applied_steps = saved
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The whole model state dict (a gather on sharded backends; for export)."""

@@ -336,3 +336,49 @@ def test_step_without_an_optimizer_says_what_to_do():
     accel.setup(torch.nn.Linear(2, 2))
     with pytest.raises(accelkit.UnsupportedError, match="no optimizer"):
         accel.step()
+
+
+def test_backward_on_a_model_that_was_not_set_up_says_what_to_do():
+    """Silent before: the loss backpropagated through a model no backend had wrapped."""
+    accel = accelkit.get("cpu")
+    raw = torch.nn.Linear(3, 2)
+    loss = raw(torch.randn(4, 3)).square().mean()
+    with pytest.raises(accelkit.UnsupportedError, match=r"accel\.setup\(model, optimizer\)"):
+        accel.backward(loss)
+    model, _ = accel.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+    other = torch.nn.Linear(3, 2)
+    with pytest.raises(accelkit.UnsupportedError, match="not set up"):
+        accel.backward(other(torch.randn(4, 3)).sum(), model=other)
+    accel.backward(model(torch.randn(4, 3)).sum(), model=model)  # the set-up one works
+
+
+def test_applied_steps_continue_from_the_checkpoint(tmp_path):
+    """After load, applied_steps counts on from the saved run (a resumed run logs and saves at
+    the steps an uninterrupted one would); a checkpoint without the count leaves it alone."""
+    import hashlib
+    import json
+
+    from accelkit.checkpoint.manifest import canonical_bytes
+
+    accel, model, optimizer = tiny_setup()
+    for i in range(3):
+        micro_batch(accel, model, seed=i)
+        accel.step()
+    accel.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer, "step": 99})
+
+    resumed, model2, optimizer2 = tiny_setup()
+    assert resumed.applied_steps == 0
+    resumed.load(tmp_path / "ckpt", {"model": model2, "optimizer": optimizer2, "step": 0})
+    assert resumed.applied_steps == 3  # the count, not the user's own "step"
+    micro_batch(resumed, model2)
+    resumed.step()
+    assert resumed.applied_steps == 4
+
+    manifest_path = tmp_path / "ckpt" / "accelkit.json"
+    data = json.loads(manifest_path.read_text())
+    del data["applied_steps"]  # as a checkpoint written before the count was saved
+    data["checksum"] = hashlib.sha256(canonical_bytes(data)).hexdigest()
+    manifest_path.write_text(json.dumps(data))
+    old, model3, optimizer3 = tiny_setup()
+    old.load(tmp_path / "ckpt", {"model": model3, "optimizer": optimizer3, "step": 0})
+    assert old.applied_steps == 0

@@ -287,6 +287,8 @@ def _build_manifest(
         "world_size": len(records),
         "precision": getattr(backend.settings, "precision", None),
         "step": step,
+        # the Accelerator's optimizer-step count, which load() restores (absent before 0.1.1)
+        "applied_steps": getattr(accel, "applied_steps", None),
         "files": {
             r["file"]["name"]: {"rank": r["rank"], "bytes": r["file"]["bytes"]} for r in records
         },
