@@ -1,7 +1,7 @@
 """accelkit ``deepspeed`` against raw DeepSpeed on a GPT-2-small-shaped model, in the same process.
 
-Both sides train the same model shape (12 layers, 768 wide, seq 1024, vocab 50304; the workload
-of /work/shared/bench/peers.py) with torch AdamW (fused on CUDA), one optimizer step per batch,
+Both sides train the same model shape (12 layers, 768 wide, seq 1024, vocab 50304; the GPT
+workload of bench/peers.py) with torch AdamW (fused on CUDA), one optimizer step per batch,
 on the same fixed batch. The raw side is ``deepspeed.initialize`` with a config written out by
 hand and the plain ``loss = engine(x, y); engine.backward(loss); engine.step()`` loop; it imports
 nothing from accelkit. The accelkit side is DESIGN.md's loop on ``accelkit.get("deepspeed",

@@ -1,7 +1,7 @@
 """accelkit ``fsdp`` against raw FSDP2 on a GPT-2-small-shaped model, in the same process.
 
-Both sides train the same model shape (12 layers, 768 wide, seq 1024, vocab 50304; the workload
-of /work/shared/bench/peers.py) in bf16-mixed: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
+Both sides train the same model shape (12 layers, 768 wide, seq 1024, vocab 50304; the GPT
+workload of bench/peers.py) in bf16-mixed: FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)``, AdamW, one optimizer step per batch. The raw side is written by hand with
 ``fully_shard`` (each block, then the root) and imports nothing from accelkit.
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-# ---- the two workloads (same shapes as /work/shared/bench/peers.py) ---------------------------
+# ---- the two workloads (same shapes as bench/peers.py) ----------------------------------------
 class MLP(nn.Module):
     """4 x (Linear 256 -> 256, ReLU): so little compute that per-step overhead dominates."""
 
