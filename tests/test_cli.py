@@ -605,3 +605,59 @@ def test_readme_quick_start_is_two_commands_and_ci_runs_its_test_command():
     ]
     assert run_lines == [test_command], (run_lines, test_command)
     assert os.access(root / ".ci" / "run", os.X_OK)
+
+
+# ---- bench and plan ------------------------------------------------------------------------------
+def test_bench_refuses_unknown_backend_names_before_running(monkeypatch, capsys):
+    """A typo in --backends is reported at once, with the nearest name, before any run."""
+    from accelkit.benchmark import runner
+    from accelkit.cli import main
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before the names were checked")
+
+    monkeypatch.setattr(runner, "run", must_not_run)
+    assert main(["bench", "--model", "mlp", "--backends", "cpu,fdsp,raw", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown backend 'fdsp' (did you mean 'fsdp'?)" in err, err
+
+
+def test_plan_prints_each_install_line_once_under_the_table():
+    from types import SimpleNamespace
+
+    from accelkit.cli import plan
+
+    install = "python -m pip install -e plugins/deepspeed"
+    estimate = {k: 2**30 for k in ("params", "grads", "optimizer", "master", "activations")}
+    candidates = [
+        SimpleNamespace(
+            label=f"deepspeed_stage_{i}",
+            estimate={**estimate, "peak": 2**31},
+            fits=True,
+            why_not="",
+            note=f"needs deepspeed: {install}",
+        )
+        for i in (1, 2, 3)
+    ]
+    text = plan.render(
+        {
+            "request": {
+                "batch": 8,
+                "precision": "bf16-mixed",
+                "optimizer": "adamw",
+                "activation_checkpointing": False,
+                "gpus": 8,
+                "gpu_memory": 80 * 2**30,
+                "headroom": 0.1,
+            },
+            "model": {"name": "toy", "params": 1e6, "trainable_params": 1e6},
+            "budget_per_gpu": 72 * 2**30,
+            "candidates": candidates,
+            "reason": "toy",
+            "no_estimate": [],
+            "failed_estimates": [],
+        }
+    )
+    assert text.count(install) == 1, text
+    assert text.count("yes (needs deepspeed: install [1])") == 3, text
+    assert f"[1] needs deepspeed: {install}" in text

@@ -90,6 +90,32 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def unknown_backends(items: list[tuple[str, str, set[str]]]) -> str:
+    """What is wrong with the names of ``--backends`` that no plugin registers or is known to
+    provide ("" when every name is known), with the nearest valid name. A known backend that
+    cannot run here is not an error: its row says why."""
+    from accelkit import registry
+    from accelkit._known_plugins import KNOWN_PLUGIN_BACKENDS
+    from accelkit.benchmark.runner import RAW_DDP, RAW_SINGLE
+    from accelkit.config import closest
+
+    host = registry.host()
+    host.ensure_loaded()
+    valid = {*host.registry.names(), *KNOWN_PLUGIN_BACKENDS, RAW_SINGLE, RAW_DDP}
+    problems = []
+    for _, name, _ in items:
+        if name in valid:
+            continue
+        hint = closest(name, valid)
+        problems.append(f"{name!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    if not problems:
+        return ""
+    return (
+        f"unknown backend{'s' if len(problems) > 1 else ''} {', '.join(problems)}. "
+        f"Valid: {', '.join(sorted(valid))} (`accelkit env` shows which run here)."
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot and not matplotlib_available():
         print(
@@ -125,9 +151,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     backends = args.backends or ("cuda,ddp,fsdp" if device == "cuda" else "cpu,ddp")
     try:
-        runner.parse_backends(backends)
+        unknown = unknown_backends(runner.parse_backends(backends))
     except ValueError as err:
         print(f"accelkit bench: {err}", file=sys.stderr)
+        return 2
+    if unknown:  # before anything runs: a typo must not cost the whole benchmark
+        print(f"accelkit bench: {unknown}", file=sys.stderr)
         return 2
     from tqdm.auto import tqdm
 

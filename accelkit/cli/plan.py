@@ -154,16 +154,27 @@ def render(plan: dict[str, Any]) -> str:
         "peak/GPU GiB | host GiB | fits |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    install_notes: list[str] = []  # each install line once, under the table
     for c in plan["candidates"]:
         e = c.estimate
         fits = "yes" if c.fits else f"no: {c.why_not}"
         if c.note:
-            fits += f" ({c.note})"
+            need, _, install = c.note.partition(": ")  # planning's "needs <lib>: <install>"
+            if need.startswith("needs ") and install:
+                note = f"{need}: {install}"
+                if note not in install_notes:
+                    install_notes.append(note)
+                fits += f" ({need}: install [{install_notes.index(note) + 1}])"
+            else:
+                fits += f" ({c.note})"
         lines.append(
             f"| {c.label} | {e.get('world_size', req['gpus'])} | {_gib(e['params'])} | "
             f"{_gib(e['grads'])} | {_gib(e['optimizer'])} | {_gib(e['master'])} | "
             f"{_gib(e['activations'])} | **{_gib(e['peak'])}** | {_gib(e.get('host', 0))} | {fits} |"
         )
+    if install_notes:
+        lines.append("")
+        lines += [f"[{i}] {note}" for i, note in enumerate(install_notes, 1)]
     lines += ["", f"Recommendation: {plan['reason']}"]
     if plan["no_estimate"]:
         lines.append(
