@@ -36,7 +36,7 @@ import accelkit
 from accelkit.benchmark import runner
 from accelkit.benchmark.hook_testing import ONE_LINEAR, ONE_LINEAR_PARAMS
 from accelkit.benchmark.memory import model_stats, parse_size
-from accelkit.benchmark.workloads import get_workload
+from accelkit.benchmark.workloads import GPT, count_params, get_workload
 from accelkit.cli import main as cli_main
 
 HERE = Path(__file__).resolve().parent
@@ -385,6 +385,99 @@ def test_overhead_is_the_median_of_per_round_ratios():
     flops = workload.training_flops_per_sample(1000) * samples
     assert result["mfu"] == pytest.approx(flops / 1e9)
     assert doc["results"][0]["baseline"] and "overhead" not in doc["results"][0]
+
+
+# MFU's accounting, counted by hand from the tiny GPT's shapes (vocab 512, width 64, 2 layers,
+# 4 heads, 64 tokens): per block two LayerNorms (2d each), qkv (3d^2 + 3d), proj (d^2 + d),
+# fc1 (4d^2 + 4d), fc2 (4d^2 + d); then the final LayerNorm and the bias-free head (d x V).
+TINY_V, TINY_D, TINY_L, TINY_T = 512, 64, 2, 64
+TINY_BLOCK = 2 * (2 * TINY_D) + (3 * TINY_D**2 + 3 * TINY_D) + (TINY_D**2 + TINY_D)
+TINY_BLOCK += (4 * TINY_D**2 + 4 * TINY_D) + (4 * TINY_D**2 + TINY_D)
+TINY_NON_EMBEDDING = TINY_L * TINY_BLOCK + 2 * TINY_D + TINY_D * TINY_V
+TINY_EMBEDDING = TINY_V * TINY_D + TINY_T * TINY_D  # token and position tables: lookups only
+
+
+def test_mfu_counts_six_non_embedding_params_plus_attention():
+    """Training FLOPs per token = 6 x non-embedding parameters + 12 L T d (PaLM appendix B); the
+    embedding tables do no matmul work, so 6 x all parameters would overstate MFU."""
+    per_token = 6 * TINY_NON_EMBEDDING + 12 * TINY_L * TINY_T * TINY_D
+    assert (TINY_NON_EMBEDDING, per_token) == (
+        132_864,
+        895_488,
+    )  # the arithmetic above, written out
+    with torch.device("meta"):
+        workload = get_workload("tiny-gpt")
+        counted = count_params(workload.build())
+    config = runner.BenchConfig("tiny-gpt", "32-true", batch=4, steps=2, warmup=0, repeats=1)
+    ready = {"world_size": 1, "device": "cpu", "device_name": "x"}
+    row = runner.Row("cpu", "cpu", status="ok", ready=ready)
+    row.results = [{"step_s": 0.5, "peak_memory": 10, "memory_kind": "peak RSS", "loss": 1.0}]
+    peak = {"flops": 2e9, "how": "given with --peak-tflops"}
+    doc = runner.summarize(config, "cpu", workload, [row], peak, counted)
+    assert doc["model"]["params"] == TINY_NON_EMBEDDING + TINY_EMBEDDING
+    assert doc["model"]["embedding_params"] == TINY_EMBEDDING
+    assert doc["model"]["non_embedding_params"] == TINY_NON_EMBEDDING
+    assert doc["flops"]["per_token"] == per_token
+    assert doc["flops"]["per_sample"] == per_token * TINY_T
+    tokens_per_s = 4 * TINY_T / 0.5
+    assert doc["results"][0]["mfu"] == pytest.approx(per_token * tokens_per_s / 2e9, rel=1e-12)
+    # the table states the accounting and the peak under it
+    from accelkit.cli.bench import render
+
+    text = render(doc)
+    assert f"6 x {TINY_NON_EMBEDDING:,} non-embedding parameters" in text
+    assert f"= {per_token:,} (" in text
+    assert "Peak: 2.0 GFLOP/s the whole CPU (given with --peak-tflops)" in text
+
+
+def test_tied_head_counts_once_as_matmul_work():
+    """A head sharing the token embedding's weight multiplies with it: the weight counts once,
+    as matmul work, so tying changes the parameter total but not the FLOPs."""
+    with torch.device("meta"):
+        model = GPT(TINY_V, TINY_D, TINY_L, 4, TINY_T)
+    model.head.weight = model.tok.weight
+    counted = count_params(model)
+    assert counted.total == TINY_NON_EMBEDDING + TINY_EMBEDDING - TINY_V * TINY_D
+    assert counted.embedding == TINY_T * TINY_D  # the position table only
+    assert counted.tied == TINY_V * TINY_D
+    assert counted.non_embedding == TINY_NON_EMBEDDING
+
+
+PERFORMANCE = HERE.parent / "docs" / "performance"
+GPT2_SMALL = {"params": 163_109_376, "tables": (50304 + 1024) * 768, "layers": 12, "seq": 1024}
+TINY_GPT = {"params": 169_728, "tables": TINY_EMBEDDING, "layers": 2, "seq": 64}
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "row_prefix"),
+    [
+        ("h200-gpt2-compile-b8.json", GPT2_SMALL, "| 8 | {label} |"),
+        ("h200-gpt2-compile-b16.json", GPT2_SMALL, "| 16 | {label} |"),
+        ("h200-gpt2-b8.json", GPT2_SMALL, "| {label} | 1 |"),
+        ("cpu-tiny-gpt.json", TINY_GPT, "| {label} | {procs} |"),
+    ],
+)
+def test_docs_mfu_is_recomputed_from_the_committed_json(name, model, row_prefix):
+    """docs/performance.md quotes MFU under this accounting, recomputed from the committed JSON
+    (written under the older 6 x all-parameters count): every quoted row, checked here."""
+    doc = json.loads((PERFORMANCE / name).read_text())
+    assert doc["model"]["params"] == model["params"]
+    width = 768 if model is GPT2_SMALL else TINY_D
+    non_embedding = model["params"] - model["tables"]
+    per_token = 6 * non_embedding + 12 * model["layers"] * model["seq"] * width
+    peak = doc["peak"]["tflops_per_device"] * 1e12
+    page = (HERE.parent / "docs" / "performance.md").read_text().splitlines()
+    checked = 0
+    for row in doc["results"]:
+        if row["status"] != "ok":
+            continue
+        devices = row["world_size"] if row["device"] == "cuda" else 1
+        mfu = f"{100 * row['tokens_per_s'] * per_token / (peak * devices):.1f}%"
+        prefix = row_prefix.format(label=row["label"], procs=row["world_size"])
+        line = next(x for x in page if x.startswith(prefix))
+        assert f"| {mfu} |" in line or f"| **{mfu}** |" in line, (line, mfu)
+        checked += 1
+    assert checked >= 3
 
 
 def test_bench_refuses_plot_without_matplotlib(monkeypatch, capsys):
