@@ -100,7 +100,7 @@ for p in "$@"; do
       done ;;
     peers)
       # bench/peers.py: raw PyTorch, Lightning Fabric, HF Accelerate, accelkit in one process; raw
-      # DeepSpeed ZeRO-1/2/3 beside accelkit deepspeed_stage_k in one process per stage (~4 min)
+      # DeepSpeed ZeRO-1/2/3 beside accelkit deepspeed_stage_k in one process per stage (6-minute limit)
       part peers
       timeout 360 python3 bench/peers.py --timeout 170 --out "$OUTDIR/peers.json" \
         --keep "$OUTDIR/peers-processes" > "$OUTDIR/peers.log" 2>&1
