@@ -4,10 +4,10 @@ Both sides train the same model shape (12 layers, 768 wide, seq 1024, vocab 5030
 workload of bench/peers.py) with torch AdamW (fused on CUDA), one optimizer step per batch,
 on the same fixed batch. The raw side is ``deepspeed.initialize`` with a config written out by
 hand and the plain ``loss = engine(x, y); engine.backward(loss); engine.step()`` loop; it imports
-nothing from accelkit. The accelkit side is DESIGN.md's loop on ``accelkit.get("deepspeed",
-zero_stage=..., precision=...)``. Configurations ``z<stage>:<precision>``: ``bf16-true`` is
-DeepSpeed's ``bf16`` section (what the peers' raw DeepSpeed run used), ``bf16-mixed`` its
-``torch_autocast`` section.
+nothing from accelkit. The accelkit side is the loop of docs/architecture.md on
+``accelkit.get("deepspeed", zero_stage=..., precision=...)``. Configurations
+``z<stage>:<precision>``: ``bf16-true`` is DeepSpeed's ``bf16`` section (what the raw DeepSpeed
+sides of bench/peers.py use), ``bf16-mixed`` its ``torch_autocast`` section.
 
 The sides are interleaved in rounds (the order alternates each round); each round times
 ``--steps`` steps after ``--warmup`` steps, with one device sync at each end. Reported per
