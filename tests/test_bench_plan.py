@@ -357,6 +357,27 @@ def test_parse_backends():
         runner.parse_backends(" , ")
 
 
+def test_raw_compile_is_the_baseline_of_compiled_rows():
+    """``raw,raw+compile,cpu,cpu+compile``: accelkit's compile path is compared with raw
+    torch.compile, its eager path with raw eager PyTorch; no extra raw row is added."""
+    config = runner.BenchConfig("mlp", "32-true", batch=4, steps=1, warmup=0, repeats=1)
+    rows = runner.make_rows(config, "raw,raw+compile,cpu,cpu+compile")
+    assert [(r.label, r.raw, r.compile) for r in rows] == [
+        ("raw", "single", False),
+        ("raw+compile", "single", True),
+        ("cpu", None, False),
+        ("cpu+compile", None, True),
+    ]
+    for row in rows:
+        row.status, row.ready = "ok", {"device": "cpu"}
+    by_label = {r.label: r for r in rows}
+    assert runner.baseline_of(by_label["cpu+compile"], rows).label == "raw+compile"
+    assert runner.baseline_of(by_label["cpu"], rows).label == "raw"
+    # without raw+compile, a compiled row falls back to raw eager PyTorch
+    eager_only = [by_label["raw"], by_label["cpu+compile"]]
+    assert runner.baseline_of(by_label["cpu+compile"], eager_only).label == "raw"
+
+
 def test_overhead_is_the_median_of_per_round_ratios():
     config = runner.BenchConfig("tiny-gpt", "32-true", batch=4, steps=2, warmup=0, repeats=3)
     ready = {"world_size": 1, "device": "cpu", "params": 1000, "device_name": "x"}
