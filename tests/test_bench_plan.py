@@ -487,7 +487,9 @@ def test_docs_mfu_is_recomputed_from_the_committed_json(name, model, row_prefix)
     non_embedding = model["params"] - model["tables"]
     per_token = 6 * non_embedding + 12 * model["layers"] * model["seq"] * width
     peak = doc["peak"]["tflops_per_device"] * 1e12
-    page = (HERE.parent / "docs" / "performance.md").read_text().splitlines()
+    text = (HERE.parent / "docs" / "performance.md").read_text()
+    assert f"{non_embedding:,}" in text and f"{per_token:,}" in text  # the counts it states
+    page = text.splitlines()
     checked = 0
     for row in doc["results"]:
         if row["status"] != "ok":
