@@ -373,6 +373,16 @@ def test_raw_compile_is_the_baseline_of_compiled_rows():
     by_label = {r.label: r for r in rows}
     assert runner.baseline_of(by_label["cpu+compile"], rows).label == "raw+compile"
     assert runner.baseline_of(by_label["cpu"], rows).label == "raw"
+    # the table names the compiled baseline beside the ratio
+    for row in rows:
+        row.ready = {"device": "cpu", "world_size": 1, "params": 10}
+        row.results = [{"step_s": 1.0, "peak_memory": 1, "memory_kind": "peak RSS", "loss": 1.0}]
+    from accelkit.cli.bench import render
+
+    doc = runner.summarize(config, "cpu", get_workload("mlp"), rows, {"flops": None, "how": "-"})
+    table = render(doc)
+    assert "| 1.000 [1.000, 1.000] vs raw+compile |" in table
+    assert "| 1.000 [1.000, 1.000] |" in table  # cpu against raw eager: no suffix
     # without raw+compile, a compiled row falls back to raw eager PyTorch
     eager_only = [by_label["raw"], by_label["cpu+compile"]]
     assert runner.baseline_of(by_label["cpu+compile"], eager_only).label == "raw"

@@ -238,6 +238,7 @@ def render(result: dict[str, Any]) -> str:
         over = r.get("overhead")
         vs = (
             f"{over['median']:.3f} [{over['min']:.3f}, {over['max']:.3f}]"
+            + ("" if over["vs"] in ("raw", "raw-ddp") else f" vs {over['vs']}")
             if over
             else ("baseline" if r["baseline"] else "-")
         )
