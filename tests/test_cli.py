@@ -594,16 +594,23 @@ def _quick_start_commands() -> list[str]:
     return re.findall(r"```sh\n(.+?)\n```", section)
 
 
-def test_readme_quick_start_is_two_commands_and_ci_runs_its_test_command():
+def test_readme_quick_start_is_what_ci_runs():
+    """Two commands for a newcomer (set up + demo, tests) and the full tier; .ci/run reads and runs
+    exactly these, and the setup script installs torch 2.13, every plugin and colossalai."""
     root = Path(__file__).parents[1]
-    install, test_command = _quick_start_commands()
-    assert "pip install torch==2.13.0" in install and "accelkit demo" in install
-    assert "plugins/" in install  # the plugins are installed too
-    ci = (root / ".ci" / "run").read_text(encoding="utf-8")
-    run_lines = [
-        line.strip() for line in ci.splitlines() if "pytest" in line and "-m pytest" in line
-    ]
-    assert run_lines == [test_command], (run_lines, test_command)
+    commands = _quick_start_commands()
+    assert len(commands) == 3, commands
+    setup, default_tier, full_tier = commands
+    assert setup == "bash scripts/setup.sh && .venv/bin/accelkit demo"
+    assert default_tier == ".venv/bin/python -m pytest -q"
+    assert full_tier.startswith(".venv/bin/python -m pytest -q -m ") and "slow" in full_tier
+    script = (root / "scripts" / "setup.sh").read_text(encoding="utf-8")
+    for needed in ("torch==2.13.0", "plugins/*/", "install_colossalai.sh", ".[test]"):
+        assert needed in script, needed
+    printed = subprocess.run(
+        ["bash", str(root / ".ci" / "run"), "--print"], capture_output=True, text=True, check=True
+    ).stdout
+    assert printed.splitlines() == commands
     assert os.access(root / ".ci" / "run", os.X_OK)
 
 
