@@ -71,8 +71,15 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that do matmul work: all but the embedding tables, which are lookups."""
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+
+
 def flops_per_token(n_params: int, layers: int, seq: int, width: int) -> float:
-    return 6 * n_params + 12 * layers * seq * width  # PaLM appendix B accounting
+    """6 x non-embedding parameters + 12 L T d attention (PaLM appendix B accounting)."""
+    return 6 * n_params + 12 * layers * seq * width
 
 
 # ---- the two sides --------------------------------------------------------------------------
@@ -159,10 +166,7 @@ def run_config(args: argparse.Namespace, device: torch.device, compile: bool) ->
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     with torch.device("meta"):
-        n_params = sum(
-            p.numel()
-            for p in GPT(args.vocab, args.width, args.layers, args.heads, args.seq).parameters()
-        )
+        n_params = matmul_params(GPT(args.vocab, args.width, args.layers, args.heads, args.seq))
     sides = {
         "raw": build_raw(args, device, compile),
         "accelkit": build_accelkit(args, device, compile),
