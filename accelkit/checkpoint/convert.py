@@ -27,6 +27,7 @@ import torch
 from accelkit.checkpoint import storage
 from accelkit.checkpoint.codec import drop_callables, encode
 from accelkit.checkpoint.fqn import canonical_fqn
+from accelkit.checkpoint.fragments import param_group_hyperparams
 from accelkit.checkpoint.manifest import (
     EXTRA_OBJECT,
     FORMAT,
@@ -365,17 +366,8 @@ def optimizer_import(
                 scalar_state.setdefault(fqn(pid), {})[key] = encode(value, f"{name}/{key}")
     groups = []
     for g, group in enumerate(osd["param_groups"]):
-        entry: dict[str, Any] = {"params": [fqn(p) for p in group["params"]]}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            try:
-                entry[key] = encode(value, f"{name}/param_groups/{g}/{key}")
-            except CheckpointError:
-                log.warning("%s: param group entry %r is not imported", name, key)
-        groups.append(entry)
+        settings = param_group_hyperparams(group, f"{name}/param_groups/{g}")
+        groups.append({"params": [fqn(p) for p in group["params"]], **settings})
     return {
         "type": "optimizer",
         "class": "(imported)",

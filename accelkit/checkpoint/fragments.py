@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +33,9 @@ log = logging.getLogger("accelkit")
 
 PARAM, BUFFER, MASTER = "param", "buffer", "master"
 OPTIM_PREFIX = "optim:"
+
+#: ``(canonical fqn, target, is_parameter, aliases)``: one tensor of a module to write or fill
+ModuleEntry = tuple[str, Any, bool, list[str]]
 
 #: replicated tensors at least this large are split across ranks, so each rank writes a slice
 SPLIT_BYTES = 4 << 20
@@ -162,12 +165,17 @@ def optimizer_family(opt: torch.optim.Optimizer) -> str:
 
 
 def param_owners(
-    modules: dict[str, torch.nn.Module], backend: Any = None
+    modules: dict[str, torch.nn.Module],
+    backend: Any = None,
+    entries: Callable[[torch.nn.Module], Iterable[ModuleEntry]] = module_tensors,
 ) -> dict[int, tuple[str, str]]:
-    """id(parameter) -> (module object name, canonical fqn) over every module of the state."""
+    """id(parameter) -> (module object name, canonical fqn) over every module of the state.
+
+    ``entries`` lists a module's tensors (default :func:`module_tensors`); a backend whose
+    state dict builds new tensors passes one that resolves them to the Parameters."""
     owners: dict[int, tuple[str, str]] = {}
     for name, module in modules.items():
-        for fqn, tensor, is_param, _aliases in module_tensors(user_module(module, backend)):
+        for fqn, tensor, is_param, _aliases in entries(user_module(module, backend)):
             if is_param:
                 owners.setdefault(id(tensor), (name, fqn))
     return owners
@@ -178,22 +186,35 @@ def optimizer_param_names(
     owners: dict[int, tuple[str, str]],
     primary: str | None = None,
 ) -> tuple[list[list[str]], str | None]:
-    """Each param group's parameter names, and the module object most of them belong to.
+    """Each param group's parameter names, and the module object most of them belong to."""
+    return param_group_names([group["params"] for group in opt.param_groups], owners, primary)
+
+
+def param_group_names(
+    groups: Iterable[Iterable[Any]],
+    owners: dict[int, tuple[str, str]],
+    primary: str | None = None,
+) -> tuple[list[list[str]], str | None]:
+    """The canonical names of the parameters of each group, and the module object most of them
+    belong to (``primary``, unless the given one holds some of them).
 
     A parameter of the primary module is named by its fqn; one of another module by
-    ``"<object>/<fqn>"``; one of no module in the state by its position.
+    ``"<object>/<fqn>"``; one of no module in the state by its position. Sharded backends pass
+    the module parameters their optimizer's groups train (not the flat partitions it steps), so
+    every backend names the same parameter the same way.
     """
+    groups = [list(params) for params in groups]
     counts: dict[str, int] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
+    for params in groups:
+        for p in params:
             if id(p) in owners:
                 counts[owners[id(p)][0]] = counts.get(owners[id(p)][0], 0) + 1
     if primary not in counts:
         primary = max(counts, key=counts.get) if counts else None
     names: list[list[str]] = []
-    for g, group in enumerate(opt.param_groups):
+    for g, params in enumerate(groups):
         group_names = []
-        for i, p in enumerate(group["params"]):
+        for i, p in enumerate(params):
             owner = owners.get(id(p))
             if owner is None:
                 group_names.append(f"param_groups.{g}.params.{i}")
@@ -239,7 +260,7 @@ def optimizer_info(
     way, so every reader can rebuild the groups (``load_param_groups``)."""
     record: dict[str, Any] = {
         "type": "optimizer",
-        "class": _qualname(opt),
+        "class": qualname(opt),
         "family": optimizer_family(opt),
         "model": primary,
         "step_granularity": step_granularity,
@@ -395,7 +416,7 @@ def dense_fragments(
         if wanted is not None and name not in wanted:
             continue
         inner = user_module(module, backend)
-        yield ObjectInfo(name, {"type": "module", "class": _qualname(inner)})
+        yield module_info(name, inner)
         for fqn, tensor, is_param, aliases in module_tensors(inner):
             if tensor.device.type == "meta":
                 raise CheckpointError(
@@ -419,20 +440,43 @@ def dense_fragments(
             continue
         group_names, primary = optimizer_param_names(opt, owners)
         scalar_state: dict[str, Any] = {}
-        for group, pnames in zip(opt.param_groups, group_names):
-            for p, pname in zip(group["params"], pnames):
-                for key, value in opt.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        yield from tensor_fragments(name, pname, OPTIM_PREFIX + key, value, planner)
-                    else:
-                        scalar_state.setdefault(pname, {})[key] = encode(
-                            value, f"{name}/state/{pname}/{key}"
-                        )
+        yield from param_state_fragments(
+            name, opt.param_groups, group_names, opt.state, planner, scalar_state
+        )
         yield optimizer_info(name, opt, group_names, primary, scalar_state=scalar_state)
 
 
-def _qualname(obj: Any) -> str:
+def param_state_fragments(
+    obj: str,
+    groups: list[dict[str, Any]],
+    names: list[list[str]],
+    state: dict[Any, dict[str, Any]],
+    planner: ReplicaPlanner,
+    scalar_state: dict[str, Any],
+    owner: int | None = None,
+) -> Iterator[Fragment]:
+    """Per-parameter optimizer ``state`` (whole tensors, one per parameter): each tensor as a
+    replica (or written by rank ``owner``), each other value into ``scalar_state`` (JSON)."""
+    for group, pnames in zip(groups, names):
+        for p, pname in zip(group["params"], pnames):
+            for key, value in state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    kind = OPTIM_PREFIX + key
+                    yield from tensor_fragments(obj, pname, kind, value, planner, owner=owner)
+                else:
+                    scalar_state.setdefault(pname, {})[key] = encode(
+                        value, f"{obj}/state/{pname}/{key}"
+                    )
+
+
+def qualname(obj: Any) -> str:
+    """``module.Class`` of an object: what the manifest records as an object's class."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def module_info(name: str, module: torch.nn.Module) -> ObjectInfo:
+    """The manifest record of module object ``name`` (every writer records a module so)."""
+    return ObjectInfo(name, {"type": "module", "class": qualname(module)})
 
 
 # ---- the default reader -----------------------------------------------------------------------------
@@ -490,47 +534,85 @@ def load_dense_fragments(
 
 def load_module(reader: CheckpointReader, name: str, module: torch.nn.Module) -> None:
     """Fill parameters and buffers of ``module`` by canonical fqn (tied names through aliases)."""
+    for entry, tensor, _is_param in match_module_entries(reader, name, module_tensors(module)):
+        fill_tensor(reader, weights_entry(reader, name, entry), tensor)
+
+
+def match_module_entries(
+    reader: CheckpointReader, name: str, targets: Iterable[ModuleEntry]
+) -> list[tuple[TensorEntry, Any, bool]]:
+    """``(saved entry, target, is_parameter)`` for each target of module object ``name``.
+
+    A target is matched by its fqn or any of its aliases against the saved names and theirs
+    (tied weights load whichever way either side tied them); missing and unexpected names go to
+    ``reader.check_keys`` (the ``strict`` rule). A frozen parameter left out by
+    ``exclude_frozen=True`` is not missing: the model keeps its own. Every backend matches its
+    targets (tensors, or its own handles on a flat range) so.
+    """
     saved = reader.module_entries(name)
     by_alias = {alias: entry for entry in saved.values() for alias in entry.aliases}
     used: set[str] = set()
     missing: list[str] = []
-    plan: list[tuple[TensorEntry, torch.Tensor]] = []
+    plan: list[tuple[TensorEntry, Any, bool]] = []
     frozen_left_out = bool(reader.manifest.data.get("excluded_frozen"))
-    for fqn, tensor, is_param, aliases in module_tensors(module):
+    for fqn, target, is_param, aliases in targets:
         entry = saved.get(fqn) or by_alias.get(fqn)
         for alias in aliases:
             entry = entry or saved.get(alias) or by_alias.get(alias)
         if entry is None:
-            if frozen_left_out and is_param and not tensor.requires_grad:
-                continue  # saved with exclude_frozen=True: the model keeps its own
+            if frozen_left_out and is_param and not getattr(target, "requires_grad", True):
+                continue
             missing.append(fqn)
             continue
         used.add(entry.fqn)
-        plan.append((entry, tensor))
-        if aliases:  # target ties what the checkpoint stored separately: fine, same values
-            used.update(a for a in aliases if a in saved)
-    unexpected = sorted(set(saved) - used)
-    reader.check_keys(f"module {name!r}", missing, unexpected)
-    for entry, tensor in plan:
-        master = reader.entry(name, MASTER, entry.fqn)
-        fill_tensor(reader, master if master is not None else entry, tensor)
+        plan.append((entry, target, is_param))
+        # the target ties what the checkpoint stored separately: fine, same values
+        used.update(a for a in aliases if a in saved)
+    reader.check_keys(f"module {name!r}", missing, sorted(set(saved) - used))
+    return plan
 
 
-def _state_like(
-    param: torch.Tensor, key: str, entry: TensorEntry, group: dict[str, Any]
+def weights_entry(reader: CheckpointReader, name: str, entry: TensorEntry) -> TensorEntry:
+    """What a parameter's weights load from: its fp32 master where one was saved, else itself."""
+    master = reader.entry(name, MASTER, entry.fqn)
+    return master if master is not None else entry
+
+
+def state_like(
+    param: torch.Tensor, key: str, entry: TensorEntry, group: dict[str, Any] | None = None
 ) -> torch.Tensor:
-    """A new optimizer-state tensor placed as torch's ``Optimizer.load_state_dict`` would."""
+    """A new optimizer-state tensor placed as torch's ``Optimizer.load_state_dict`` would:
+    ``step`` on the CPU unless the group is capturable or fused, the rest like the parameter."""
     from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
 
+    group = group or {}
     stored = DTYPES_BY_NAME[entry.dtype]
     if key == "step":
         on_device = group.get("capturable") or group.get("fused")
         device = _local_device(param) if on_device else torch.device("cpu")
         return torch.zeros(entry.shape, dtype=stored, device=device)
-    dtype = param.dtype if (param.is_floating_point() and stored.is_floating_point) else stored
     if entry.shape == tuple(param.shape):
-        return torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        return new_state(param, entry)
+    dtype = param.dtype if (param.is_floating_point() and stored.is_floating_point) else stored
     return torch.zeros(entry.shape, dtype=dtype, device=_local_device(param))
+
+
+def new_state(
+    like: torch.Tensor, entry: TensorEntry, float_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Zeros for optimizer state ``entry`` with the shape and device of ``like`` (a parameter, a
+    master, a flat partition): ``like``'s dtype where both are floating point (``float_dtype``
+    where the optimizer keeps its own, as FusedAdam's fp32 moments), the stored one otherwise."""
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+
+    stored = DTYPES_BY_NAME[entry.dtype]
+    if not stored.is_floating_point:
+        dtype = stored
+    elif float_dtype is not None:
+        dtype = float_dtype
+    else:
+        dtype = like.dtype if like.is_floating_point() else stored
+    return torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _local_device(param: torch.Tensor) -> torch.device:
@@ -557,27 +639,75 @@ def load_optimizer(
     owners: dict[int, tuple[str, str]],
 ) -> None:
     """Fill a torch optimizer's hyperparameters and per-parameter state, matched by fqn."""
-    info = reader.object_info(name, "optimizer")
-    group_names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    warn_family_mismatch(name, info, opt)
-    load_param_groups(reader, name, info, opt.param_groups, group_names)
-    per_param = reader.optimizer_entries(name)
-    scalar_state = info.get("scalar_state", {})
-    for group, pnames in zip(opt.param_groups, group_names):
+    groups = opt.param_groups
+    saved = optimizer_load(reader, name, opt, groups, [g["params"] for g in groups], owners)
+    load_param_states(reader, saved, groups, opt.state)
+
+
+def load_param_states(
+    reader: CheckpointReader,
+    saved: OptimizerLoad,
+    groups: list[dict[str, Any]],
+    state: dict[Any, dict[str, Any]],
+    *,
+    holds: Callable[[Any], bool] | None = None,
+    make: Callable[[Any, str, TensorEntry, dict[str, Any]], torch.Tensor] | None = None,
+) -> None:
+    """Fill the per-parameter ``state`` (an optimizer's ``state``) of the parameters of ``groups``
+    that this rank ``holds`` (default all) from what ``saved`` names for them: each tensor into
+    the state's own where it has one of the saved shape, else into a new one from ``make(param,
+    key, entry, group)`` (default :func:`state_like`); each JSON scalar decoded."""
+    make = make or state_like
+    for group, pnames in zip(groups, saved.names):
         for p, pname in zip(group["params"], pnames):
-            entries = per_param.get(pname, {})
-            scalars = scalar_state.get(pname, {})
-            if not entries and not scalars:
+            entries, scalars = saved.per_param.get(pname, {}), saved.scalars.get(pname, {})
+            if (not entries and not scalars) or (holds is not None and not holds(p)):
                 continue
-            state = opt.state[p]
+            param_state = state[p]
             for key, entry in entries.items():
-                target = state.get(key)
+                target = param_state.get(key)
                 if not isinstance(target, torch.Tensor) or tuple(target.shape) != entry.shape:
-                    target = _state_like(p, key, entry, group)
-                    state[key] = target
+                    target = param_state[key] = make(p, key, entry, group)
                 fill_tensor(reader, entry, target)
             for key, value in scalars.items():
-                state[key] = decode(value)
+                param_state[key] = decode(value)
+
+
+@dataclass
+class OptimizerLoad:
+    """What a checkpoint holds for one optimizer: its manifest record, each parameter's saved
+    tensors (``per_param[name][key]``) and JSON scalars (``scalars[name][key]``)."""
+
+    info: dict[str, Any]
+    names: list[list[str]]
+    per_param: dict[str, dict[str, Any]]
+    scalars: dict[str, dict[str, Any]]
+
+    @property
+    def empty(self) -> bool:
+        """Saved before the first step: no parameter has state."""
+        return not any(self.per_param.get(n) or self.scalars.get(n) for r in self.names for n in r)
+
+
+def optimizer_load(
+    reader: Any,
+    name: str,
+    opt: Any,
+    groups: list[dict[str, Any]],
+    param_groups: Iterable[Iterable[Any]],
+    owners: dict[int, tuple[str, str]],
+    names: list[list[str]] | None = None,
+) -> OptimizerLoad:
+    """Start loading optimizer ``name``: name the module parameters each of ``groups`` trains
+    (``param_groups``, or ``names`` as given) as the checkpoint does, check the saved groups hold
+    the same parameters and copy their hyperparameters into ``groups``, warn where the saved
+    family (adam, sgd, ...) is not ``opt``'s."""
+    info = reader.object_info(name, "optimizer")
+    if names is None:
+        names, _ = param_group_names(param_groups, owners, primary=info.get("model"))
+    load_param_groups(reader, name, info, groups, names)
+    warn_family_mismatch(name, info, opt)
+    return OptimizerLoad(info, names, reader.optimizer_entries(name), info.get("scalar_state", {}))
 
 
 def load_param_groups(

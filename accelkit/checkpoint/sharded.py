@@ -23,6 +23,7 @@ exported from here, so a plugin imports its whole kit from one module. See docs/
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from accelkit.checkpoint.codec import encode
+from accelkit.checkpoint.fqn import module_tensors, user_module
 from accelkit.checkpoint.fragments import (
     BUFFER,
     MASTER,
@@ -38,23 +40,30 @@ from accelkit.checkpoint.fragments import (
     Fragment,
     ModuleEntry,
     ObjectInfo,
+    OptimizerLoad,
     ReplicaPlanner,
+    StateObjects,
     classify_state,
+    dense_fragments,
     fill_tensor,
     load_param_groups,
+    load_param_states,
     match_module_entries,
     module_info,
     new_state,
     optimizer_info,
+    optimizer_load,
     param_group_names,
     param_owners,
+    param_state_fragments,
     qualname,
     state_like,
     tensor_fragments,
-    warn_family_mismatch,
     weights_entry,
 )
 from accelkit.errors import CheckpointError
+
+log = logging.getLogger("accelkit")
 
 __all__ = [
     "BUFFER",
@@ -71,22 +80,32 @@ __all__ = [
     "check_shape",
     "classify_state",
     "fill_tensor",
+    "group_scalar",
+    "held_objects",
+    "load_param_groups",
+    "load_param_states",
+    "load_slot_states",
     "match_module_entries",
     "module_fragments",
     "module_info",
     "new_state",
     "optimizer_info",
     "optimizer_load",
+    "optimizer_slot_fragments",
     "param_group_names",
     "param_owners",
+    "param_state_fragments",
+    "put_scalar",
     "qualname",
     "ranged_fragments",
     "read_slot",
     "scalar_tensor",
+    "sharded_fragments",
     "slot_fragments",
     "slot_state_fragments",
     "state_like",
     "tensor_fragments",
+    "Unsharded",
     "weights_entry",
 ]
 
@@ -111,12 +130,17 @@ class Slot:
     group: int = 0
     #: every rank holds the same whole range (a replicated master): written split like a replica
     replicated: bool = False
-    #: 1-D view of the working (low-precision) weights of the range; None: the master is them
+    #: 1-D view of the working (low-precision) weights of the range (default: the parameter's,
+    #: where the parameter is a tensor other than ``flat``); None: the master is them
     lp: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.lp is None and isinstance(self.param, torch.Tensor) and self.param is not self.flat:
+            self.lp = self.param.detach().reshape(-1)[self.start : self.start + self.count]
 
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """This slot's range of a tensor shaped like ``flat`` (the master, or a state)."""
-        return tensor.view(-1)[self.offset : self.offset + self.count]
+        return tensor.reshape(-1)[self.offset : self.offset + self.count]
 
     @property
     def master(self) -> torch.Tensor:
@@ -150,6 +174,62 @@ class Layout:
     def by_flat(self) -> dict[int, Slot]:
         """id(flat) -> slot, where each slot has a flat of its own (a per-parameter master)."""
         return {id(slot.flat): slot for slot in self.slots.values()}
+
+
+#: a backend's writer of a parameter it does not train but still partitions (``obj, fqn, tensor,
+#: meta``); None where the parameter is an ordinary replica
+Unsharded = Callable[[str, str, torch.Tensor, dict[str, Any]], Iterable[Fragment] | None]
+
+
+def held_objects(
+    backend: Any, layouts: list[Layout], state: dict[str, Any]
+) -> tuple[StateObjects, dict[str, Layout], list[str]]:
+    """The state's objects; the layout holding each model (by its user module) and optimizer (the
+    library's wrapper, or the torch optimizer it steps) that a library shards; the names of the
+    others, which accelkit's dense writer and reader handle."""
+    objects = classify_state(state)
+    sharded = [layout for layout in layouts if layout.kind != "dense"]
+    held: dict[str, Layout] = {}
+    for name, module in objects.modules.items():
+        inner = user_module(module, backend)
+        for layout in sharded:
+            if inner is layout.module:
+                held[name] = layout
+    for name, opt in objects.optimizers.items():
+        for layout in sharded:
+            if opt is layout.wrapper or opt is layout.base:
+                held[name] = layout
+    others = [n for n in (*objects.modules, *objects.optimizers) if n not in held]
+    return objects, held, others
+
+
+def sharded_fragments(
+    backend: Any,
+    state: dict[str, Any],
+    layouts: list[Layout],
+    optimizer_fragments: Callable[..., Iterator[Fragment | ObjectInfo]],
+    *,
+    entries: Callable[[torch.nn.Module], Iterable[ModuleEntry]] = module_tensors,
+    unsharded: Unsharded | None = None,
+) -> Iterator[Fragment | ObjectInfo]:
+    """A sharded backend's ``local_fragments``: each model a layout holds through
+    :func:`module_fragments` (its tensors listed by ``entries``), each optimizer through the
+    backend's ``optimizer_fragments(name, opt, layout, owners, planner)``, the rest dense."""
+    objects, held, others = held_objects(backend, layouts, state)
+    if others or not held:
+        yield from dense_fragments(backend, state, names=others if held else None)
+    if not held:
+        return
+    planner = ReplicaPlanner(backend.rank, backend.world_size)
+    for name, module in objects.modules.items():
+        if name in held:
+            inner = user_module(module, backend)
+            yield module_info(name, inner)
+            yield from module_fragments(name, entries(inner), held[name], planner, unsharded)
+    owners = param_owners(objects.modules, backend, entries)
+    for name, opt in objects.optimizers.items():
+        if name in held:
+            yield from optimizer_fragments(name, opt, held[name], owners, planner)
 
 
 # ---- writing ---------------------------------------------------------------------------------------
@@ -193,11 +273,10 @@ def module_fragments(
     targets: Iterable[ModuleEntry],
     layout: Layout,
     planner: ReplicaPlanner,
-    unsharded: Callable[[str, torch.Tensor, dict[str, Any]], Iterable[Fragment] | None]
-    | None = None,
+    unsharded: Unsharded | None = None,
 ) -> Iterator[Fragment]:
     """Module object ``obj``'s tensors: a parameter with a slot through it; any other through
-    ``unsharded(fqn, tensor, meta)`` where that returns fragments (a library's partitioned
+    ``unsharded(obj, fqn, tensor, meta)`` where that returns fragments (a library's partitioned
     frozen weights), else as a replica (buffers by rank 0, whose copy is authoritative)."""
     for fqn, tensor, is_param, aliases in targets:
         meta: dict[str, Any] = {"aliases": aliases}
@@ -207,7 +286,7 @@ def module_fragments(
             continue
         if is_param and not tensor.requires_grad:
             meta["trainable"] = False
-        special = unsharded(fqn, tensor, meta) if unsharded is not None and is_param else None
+        special = unsharded(obj, fqn, tensor, meta) if unsharded is not None and is_param else None
         if special is not None:
             yield from special
             continue
@@ -233,13 +312,15 @@ def slot_state_fragments(
     rank: int,
     scalar_state: dict[str, Any],
     number_steps: bool = False,
+    scalar_rank: int = 0,
     where: str = "",
 ) -> Iterator[Fragment]:
     """The optimizer state ``values`` of ``flat``, cut to parameter ``pname``'s range.
 
     A state of ``flat``'s size is written over the slot's range; a 0-d state (or, with
-    ``number_steps``, a ``step`` kept as a number) is the same on every rank, so rank 0 writes it
-    and the others declare it; any other value goes to ``scalar_state`` (JSON).
+    ``number_steps``, a ``step`` kept as a number) is the same on every rank, so rank
+    ``scalar_rank`` writes it and the others declare it; any other value goes to
+    ``scalar_state`` (JSON).
     """
     for key, value in values.items():
         is_tensor = isinstance(value, torch.Tensor)
@@ -255,13 +336,66 @@ def slot_state_fragments(
             yield from ranged_fragments(obj, pname, kind, slot, local, planner)
         elif is_tensor or (number_steps and key == "step" and isinstance(value, (int, float))):
             data = scalar_tensor(value)
-            yield Fragment(obj, pname, kind, (), 0, data if rank == 0 else data[:0])
+            yield Fragment(obj, pname, kind, (), 0, data if rank == scalar_rank else data[:0])
         else:
             where_key = f"{obj}/state/{pname}/{key}"
             scalar_state.setdefault(pname, {})[key] = encode(value, where_key)
 
 
+def optimizer_slot_fragments(
+    name: str,
+    opt: Any,
+    slots: list[list[Slot]],
+    states: Callable[[Slot], dict[str, Any]],
+    owners: dict[int, tuple[str, str]],
+    planner: ReplicaPlanner,
+    *,
+    rank: int,
+    sharding: str,
+    step_granularity: str = "param",
+    number_steps: bool = False,
+    where: str = "",
+) -> Iterator[Fragment | ObjectInfo]:
+    """A sharded optimizer: each param group's slots (in the group's order), the state of each
+    (``states(slot)``, the optimizer's state of ``slot.flat``) cut to the slot's range, and the
+    manifest record naming the parameters as every other backend does."""
+    names, primary = param_group_names([[slot.param for slot in row] for row in slots], owners)
+    scalar_state: dict[str, Any] = {}
+    for row, pnames in zip(slots, names):
+        for slot, pname in zip(row, pnames):
+            yield from slot_state_fragments(
+                name,
+                pname,
+                slot,
+                states(slot),
+                planner,
+                rank=rank,
+                scalar_state=scalar_state,
+                number_steps=number_steps,
+                where=where,
+            )
+    yield optimizer_info(
+        name,
+        opt,
+        names,
+        primary,
+        step_granularity=step_granularity,
+        scalar_state=scalar_state,
+        sharding=sharding,
+    )
+
+
 # ---- reading ---------------------------------------------------------------------------------------
+def put_scalar(container: dict[Any, Any], key: str, value: float) -> None:
+    """Set a scalar a library keeps per group (``step``): into its tensor in place, else as a
+    number (an int where it is whole, as the fused optimizers count)."""
+    current = container.get(key)
+    if isinstance(current, torch.Tensor):
+        current.fill_(value)
+    else:
+        container[key] = int(value) if float(value).is_integer() else value
+
+
 def check_shape(reader: Any, entry: Any, shape: tuple[int, ...], what: str = "target") -> None:
     """Refuse to load a saved tensor into a target of another shape, naming both."""
     if tuple(entry.shape) != tuple(shape):
@@ -277,44 +411,73 @@ def read_slot(
 ) -> None:
     """Read the slot's range of ``entry`` into its place in ``target`` (shaped like ``flat``);
     ``zero_rest`` zeroes what follows it (the padding of an equal split)."""
+    flat = target.view(-1)  # a view, never a copy: the read lands in ``target``
     if slot.count:
-        reader.read_flat(entry, slot.start, slot.count, out=slot.view(target))
+        reader.read_flat(
+            entry, slot.start, slot.count, out=flat[slot.offset : slot.offset + slot.count]
+        )
     if zero_rest:
-        target.view(-1)[slot.offset + slot.count :].zero_()
+        flat[slot.offset + slot.count :].zero_()
 
 
-@dataclass
-class OptimizerLoad:
-    """What a checkpoint holds for one optimizer: its manifest record, each parameter's saved
-    tensors (``per_param[name][key]``) and JSON scalars (``scalars[name][key]``)."""
+@torch.no_grad()
+def load_slot_states(
+    reader: Any,
+    slot: Slot,
+    state: dict[str, Any],
+    entries: dict[str, Any],
+    *,
+    zero_rest: bool = False,
+) -> dict[str, Any]:
+    """Fill ``state`` (the optimizer's state of ``slot.flat``) with the slot's range of each
+    saved state tensor, making one of ``flat``'s shape where it has none yet. Returns the saved
+    0-d entries (``step``), which each library keeps its own way."""
+    zero_d = {}
+    for key, entry in entries.items():
+        if entry.shape == ():
+            zero_d[key] = entry
+            continue
+        check_shape(reader, entry, slot.shape, "target parameter")
+        target = state.get(key)
+        if not isinstance(target, torch.Tensor) or target.shape != slot.flat.shape:
+            target = state[key] = new_state(slot.flat, entry)
+        read_slot(reader, entry, slot, target, zero_rest=zero_rest)
+    return zero_d
 
-    info: dict[str, Any]
-    names: list[list[str]]
-    per_param: dict[str, dict[str, Any]]
-    scalars: dict[str, dict[str, Any]]
 
-    @property
-    def empty(self) -> bool:
-        """Saved before the first step: no parameter has state."""
-        return not any(self.per_param.get(n) or self.scalars.get(n) for r in self.names for n in r)
-
-
-def optimizer_load(
+def group_scalar(
     reader: Any,
     name: str,
-    opt: Any,
-    groups: list[dict[str, Any]],
-    param_groups: Iterable[Iterable[Any]],
-    owners: dict[int, tuple[str, str]],
-    names: list[list[str]] | None = None,
-) -> OptimizerLoad:
-    """Start loading optimizer ``name``: name the module parameters each of ``groups`` trains
-    (``param_groups``, or ``names`` as given) as the checkpoint does, check the saved groups hold
-    the same parameters and copy their hyperparameters into ``groups``, warn where the saved
-    family (adam, sgd, ...) is not ``opt``'s."""
-    info = reader.object_info(name, "optimizer")
-    if names is None:
-        names, _ = param_group_names(param_groups, owners, primary=info.get("model"))
-    load_param_groups(reader, name, info, groups, names)
-    warn_family_mismatch(name, info, opt)
-    return OptimizerLoad(info, names, reader.optimizer_entries(name), info.get("scalar_state", {}))
+    info: dict[str, Any],
+    key: str,
+    values: dict[str, float],
+    where: str,
+    library: str,
+    *,
+    per: str = "param group",
+    warn_conversion: bool = True,
+) -> float:
+    """The one value of a scalar a library keeps per param group (``step``), from the values
+    its parameters have in the checkpoint: a conversion from per-parameter values is logged
+    (``warn_conversion``); values that differ raise under ``strict``, else the largest is taken."""
+    distinct = sorted(set(values.values()))
+    if warn_conversion and info.get("step_granularity", "param") != "group":
+        log.warning(
+            "optimizer %r: converting per-parameter %ss into %s's per-group %s (%s: %s)",
+            name,
+            key,
+            library,
+            key,
+            where,
+            f"{distinct[0]:g}" if len(distinct) == 1 else f"{len(distinct)} different values",
+        )
+    if len(distinct) > 1:
+        message = (
+            f"optimizer {name!r}: {where} holds parameters whose {key!r} differ in "
+            f"{reader.directory} ({distinct[0]:g} .. {distinct[-1]:g}); {library} keeps one "
+            f"{key!r} per {per}"
+        )
+        if reader.strict:
+            raise CheckpointError(message + " (pass strict=False to take the largest)")
+        log.warning("%s; taking the largest", message)
+    return distinct[-1]

@@ -7,8 +7,7 @@ torch's layout: a group's step is written for each parameter of the group that h
 0-d fp32 tensor (``optim:step``), with ``"step_granularity": "group"`` in the manifest, and the
 group's ``step`` entry is left out of the stored hyperparameters. So a torch AdamW resumes from
 a FusedAdam checkpoint as it would from its own, and the reverse: loading per-parameter steps
-into a group takes their common value (warning that the granularity changes); steps that differ
-within a group raise under ``strict`` and otherwise warn and take the largest.
+into a group takes their common value (``accelkit.checkpoint.sharded.group_scalar``).
 
 **State dtype.** FusedAdam keeps ``exp_avg`` / ``exp_avg_sq`` in fp32 whatever the parameters'
 dtype; state loaded into it is made fp32 (torch's bf16 state from ``bf16-true`` is upcast).
@@ -22,31 +21,34 @@ its fp32 copy of the parameters (``store_params``) from what was loaded.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint.fragments import dense_fragments, load_dense_fragments
+from accelkit.checkpoint.sharded import (
     MASTER,
     OPTIM_PREFIX,
     Fragment,
     ObjectInfo,
+    Slot,
+    check_shape,
     classify_state,
-    dense_fragments,
-    fill_tensor,
-    load_dense_fragments,
-    load_param_groups,
+    group_scalar,
+    load_param_states,
+    new_state,
     optimizer_info,
-    optimizer_param_names,
+    optimizer_load,
+    param_group_names,
     param_owners,
-    warn_family_mismatch,
+    put_scalar,
+    read_slot,
+    scalar_tensor,
+    state_like,
 )
-from accelkit.errors import CheckpointError, UnsupportedError
-
-log = logging.getLogger("accelkit")
+from accelkit.errors import UnsupportedError
 
 #: Apex optimizers that keep ``step`` in each param group
 GROUP_STEP_CLASSES = ("FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedMixedPrecisionLamb")
@@ -69,45 +71,6 @@ def _as_float(value: Any) -> float:
     return float(value)
 
 
-def _step_tensor(value: float) -> torch.Tensor:
-    return torch.tensor([value], dtype=torch.float32)
-
-
-_EMPTY = torch.zeros(0, dtype=torch.float32)
-
-
-def common_step(
-    reader: Any, name: str, info: dict[str, Any], where: str, steps: dict[str, float]
-) -> float:
-    """The one step of a group (or optimizer) from its parameters' steps."""
-    distinct = sorted(set(steps.values()))
-    if info.get("step_granularity", "param") != "group":
-        log.warning(
-            "optimizer %r: converting per-parameter steps into Apex's per-group step (%s: %s)",
-            name,
-            where,
-            f"{distinct[0]:g}" if len(distinct) == 1 else f"{len(distinct)} different values",
-        )
-    if len(distinct) > 1:
-        message = (
-            f"optimizer {name!r}: {where} holds parameters whose 'step' differ in "
-            f"{reader.directory} ({distinct[0]:g} .. {distinct[-1]:g}); Apex keeps one 'step' per "
-            "param group"
-        )
-        if reader.strict:
-            raise CheckpointError(message + " (pass strict=False to take the largest)")
-        log.warning("%s; taking the largest", message)
-    return distinct[-1]
-
-
-def _put_step(container: dict[Any, Any], value: float) -> None:
-    current = container.get("step")
-    if isinstance(current, torch.Tensor):
-        current.fill_(value)
-    else:
-        container["step"] = int(value) if float(value).is_integer() else value
-
-
 # ---- apex: FusedAdam & co. on one device ------------------------------------------------------------
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
     """accelkit's dense fragments, with each Apex group step written per parameter."""
@@ -125,7 +88,7 @@ def _with_steps(
     item: ObjectInfo, opt: torch.optim.Optimizer, owners: dict[int, tuple[str, str]]
 ) -> Iterator[Fragment | ObjectInfo]:
     info = dict(item.info)
-    names, _ = optimizer_param_names(opt, owners)
+    names, _ = param_group_names([g["params"] for g in opt.param_groups], owners)
     saved_groups = [dict(g) for g in info["param_groups"]]
     for group, saved, pnames in zip(opt.param_groups, saved_groups, names):
         saved.pop("step", None)
@@ -134,7 +97,7 @@ def _with_steps(
         value = _as_float(group["step"])
         for p, pname in zip(group["params"], pnames):
             if opt.state.get(p):
-                yield Fragment(item.object, pname, STEP, (), 0, _step_tensor(value))
+                yield Fragment(item.object, pname, STEP, (), 0, scalar_tensor(value))
     info.update(param_groups=saved_groups, step_granularity="group")
     yield ObjectInfo(item.object, info)
 
@@ -142,31 +105,10 @@ def _with_steps(
 def load_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
     objects = classify_state(state)
     grouped = [n for n, o in objects.optimizers.items() if keeps_group_steps(o)]
-    if not grouped:
-        load_dense_fragments(backend, reader, state)
-        return
     load_dense_fragments(backend, reader, state, names=[n for n in state if n not in grouped])
-    owners = param_owners(objects.modules, backend)
+    owners = param_owners(objects.modules, backend) if grouped else {}
     for name in grouped:
         load_group_step_optimizer(reader, name, objects.optimizers[name], owners)
-
-
-def _state_target(opt: Any, p: torch.Tensor, entry: Any, reader: Any) -> torch.Tensor:
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
-
-    stored = DTYPES_BY_NAME[entry.dtype]
-    if not stored.is_floating_point:
-        dtype = stored
-    elif type(opt).__name__ == "FusedAdam":
-        dtype = torch.float32  # FusedAdam's moments are fp32 whatever the parameter's dtype
-    else:
-        dtype = p.dtype
-    if entry.shape != tuple(p.shape):
-        raise CheckpointError(
-            f"tensor {entry.label}: the checkpoint ({reader.manifest_path}) has shape "
-            f"{list(entry.shape)}, the parameter {list(p.shape)}"
-        )
-    return torch.zeros(entry.shape, dtype=dtype, device=p.device)
 
 
 @torch.no_grad()
@@ -174,49 +116,41 @@ def load_group_step_optimizer(
     reader: Any, name: str, opt: torch.optim.Optimizer, owners: dict[int, tuple[str, str]]
 ) -> None:
     """Fill an Apex optimizer that keeps per-group steps from any checkpoint."""
-    info = reader.object_info(name, "optimizer")
-    names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    warn_family_mismatch(name, info, opt)
-    load_param_groups(reader, name, info, opt.param_groups, names)
-    per_param = reader.optimizer_entries(name)
-    scalar_state = info.get("scalar_state", {})
-    for g, (group, pnames) in enumerate(zip(opt.param_groups, names)):
-        steps: dict[str, float] = {}
-        for p, pname in zip(group["params"], pnames):
-            entries = per_param.get(pname, {})
-            scalars = scalar_state.get(pname, {})
-            if not entries and not scalars:
-                continue
-            pstate = opt.state[p]
-            for key, entry in entries.items():
-                if key == "step":
-                    steps[pname] = float(reader.read(entry).reshape(-1)[0])
-                    continue
-                target = pstate.get(key)
-                if not isinstance(target, torch.Tensor) or tuple(target.shape) != entry.shape:
-                    target = pstate[key] = _state_target(opt, p, entry, reader)
-                fill_tensor(reader, entry, target)
-            for key, value in scalars.items():
-                value = decode(value)
-                if key == "step" and isinstance(value, (int, float)):
-                    steps[pname] = float(value)
-                else:
-                    pstate[key] = value
+    params = [group["params"] for group in opt.param_groups]
+    saved = optimizer_load(reader, name, opt, opt.param_groups, params, owners)
+    # FusedAdam's moments are fp32 whatever the parameters' dtype
+    moments = torch.float32 if type(opt).__name__ == "FusedAdam" else None
+
+    def make(p: torch.Tensor, key: str, entry: Any, _group: Any) -> torch.Tensor:
+        if key == "step":
+            return state_like(p, key, entry)
+        check_shape(reader, entry, tuple(p.shape), "parameter")
+        return new_state(p, entry, float_dtype=moments)
+
+    load_param_states(reader, saved, opt.param_groups, opt.state, make=make)
+    for g, (group, pnames) in enumerate(zip(opt.param_groups, saved.names)):
+        steps = {  # loaded per parameter, as torch keeps them; Apex keeps one in the group
+            pname: _as_float(opt.state[p].pop("step"))
+            for p, pname in zip(group["params"], pnames)
+            if "step" in opt.state.get(p, {})
+        }
         if steps:
-            _put_step(group, common_step(reader, name, info, f"param group {g}", steps))
+            where = f"param group {g}"
+            put_scalar(
+                group, "step", group_scalar(reader, name, saved.info, "step", steps, where, "Apex")
+            )
 
 
 # ---- apex_distributed_adam: DistributedFusedAdam's sharded buckets ----------------------------------
-def _local_pieces(opt: Any, p: torch.Tensor) -> Iterator[tuple[Any, slice, int, int]]:
-    """(state bucket, slice of its local shard, start and count in the flattened parameter)."""
+def _slots(opt: Any, p: torch.Tensor) -> Iterator[tuple[Any, Slot]]:
+    """(state bucket, slot) of each range of ``p`` in this rank's shards of the buckets: flat
+    elements ``shard_param_range`` of ``p``, at ``shard_range`` of the bucket's shards."""
     for frag in opt.state[p].get("fragments", ()):
-        if not frag.in_local_shard:
-            continue
         start, end = frag.shard_range
-        if end <= start:
-            continue
-        bucket = opt.state["buckets"][frag.bucket_id]
-        yield bucket, slice(start, end), frag.shard_param_range[0], end - start
+        if frag.in_local_shard and end > start:
+            bucket = opt.state["buckets"][frag.bucket_id]
+            shape, at = tuple(p.shape), frag.shard_param_range[0]
+            yield bucket, Slot(p, shape, at, end - start, bucket.exp_avg_shard, start)
 
 
 def check_flat_layout(opt: Any) -> None:
@@ -251,7 +185,7 @@ def distributed_adam_fragments(
     for name, opt in sharded.items():
         opt.init_params()  # every parameter's place in the buckets (a no-op once done)
         check_flat_layout(opt)
-        names, primary = optimizer_param_names(opt, owners)
+        names, primary = param_group_names([g["params"] for g in opt.param_groups], owners)
         step = _as_float(opt.state["step"])
         for group, pnames in zip(opt.param_groups, names):
             for p, pname in zip(group["params"], pnames):
@@ -259,18 +193,15 @@ def distributed_adam_fragments(
                     continue  # frozen: no optimizer state and no master (the design's rule)
                 shape = tuple(p.shape)
                 owner = owners.get(id(p))
-                for bucket, where, start, _count in _local_pieces(opt, p):
-                    if step > 0:
-                        for key in ("exp_avg", "exp_avg_sq"):
-                            shard = getattr(bucket, f"{key}_shard")
-                            yield Fragment(
-                                name, pname, OPTIM_PREFIX + key, shape, start, shard[where]
-                            )
+                for bucket, slot in _slots(opt, p):
+                    for key in ("exp_avg", "exp_avg_sq") if step > 0 else ():
+                        local = slot.view(getattr(bucket, f"{key}_shard"))
+                        yield Fragment(name, pname, OPTIM_PREFIX + key, shape, slot.start, local)
                     master = bucket.params_shard
                     if master is not None and owner is not None and master.dtype != p.dtype:
-                        yield Fragment(owner[0], owner[1], MASTER, shape, start, master[where])
+                        yield Fragment(*owner, MASTER, shape, slot.start, slot.view(master))
                 if step > 0:  # one step for all; rank 0 writes it, the others declare it
-                    data = _step_tensor(step) if rank == 0 else _EMPTY
+                    data = scalar_tensor(step) if rank == 0 else scalar_tensor(step)[:0]
                     yield Fragment(name, pname, STEP, (), 0, data)
         yield optimizer_info(
             name,
@@ -300,9 +231,9 @@ def refresh_master(opt: Any) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             flat = p.detach().reshape(-1)
-            for bucket, where, start, count in _local_pieces(opt, p):
+            for bucket, slot in _slots(opt, p):
                 if bucket.params_shard is not None:
-                    bucket.params_shard[where].copy_(flat[start : start + count])
+                    slot.view(bucket.params_shard).copy_(flat[slot.start : slot.start + slot.count])
 
 
 def load_distributed_adam_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
@@ -326,14 +257,11 @@ def _load_distributed_adam(
     reader: Any, name: str, opt: Any, owners: dict[int, tuple[str, str]]
 ) -> None:
     check_flat_layout(opt)
-    info = reader.object_info(name, "optimizer")
-    names, _ = optimizer_param_names(opt, owners, primary=info.get("model"))
-    warn_family_mismatch(name, info, opt)
-    load_param_groups(reader, name, info, opt.param_groups, names)
-    per_param = reader.optimizer_entries(name)
-    scalar_state = info.get("scalar_state", {})
+    params = [group["params"] for group in opt.param_groups]
+    saved = optimizer_load(reader, name, opt, opt.param_groups, params, owners)
+    info, per_param, scalar_state = saved.info, saved.per_param, saved.scalars
     steps: dict[str, float] = {}
-    for group, pnames in zip(opt.param_groups, names):
+    for group, pnames in zip(opt.param_groups, saved.names):
         for p, pname in zip(group["params"], pnames):
             entries = per_param.get(pname, {})
             if "step" in entries:
@@ -344,25 +272,17 @@ def _load_distributed_adam(
             master = reader.entry(owner[0], MASTER, owner[1]) if owner is not None else None
             for key in ("exp_avg", "exp_avg_sq"):
                 entry = entries.get(key)
-                if entry is not None and entry.shape != tuple(p.shape):
-                    raise CheckpointError(
-                        f"tensor {entry.label}: the checkpoint ({reader.manifest_path}) has shape "
-                        f"{list(entry.shape)}, the parameter {list(p.shape)}"
-                    )
-                for bucket, where, start, count in _local_pieces(opt, p):
-                    shard = getattr(bucket, f"{key}_shard")[where]
+                if entry is not None:
+                    check_shape(reader, entry, tuple(p.shape), "parameter")
+                for bucket, slot in _slots(opt, p):
+                    shard = getattr(bucket, f"{key}_shard")
                     if entry is None:  # no state (never stepped, or no gradient yet): zeros
-                        shard.zero_()
+                        slot.view(shard).zero_()
                     else:
-                        reader.read_flat(entry, start, count, out=shard)
-            if master is not None:
-                for bucket, where, start, count in _local_pieces(opt, p):
-                    if bucket.params_shard is not None:
-                        reader.read_flat(master, start, count, out=bucket.params_shard[where])
-    if steps:
-        value = common_step(
-            reader, name, info, "DistributedFusedAdam (one step for all groups)", steps
-        )
-    else:
-        value = 0.0
-    _put_step(opt.state, value)
+                        read_slot(reader, entry, slot, shard)
+            for bucket, slot in _slots(opt, p) if master is not None else ():
+                if bucket.params_shard is not None:
+                    read_slot(reader, master, slot, bucket.params_shard)
+    where = "DistributedFusedAdam (one step for all groups)"
+    value = group_scalar(reader, name, info, "step", steps, where, "Apex") if steps else 0.0
+    put_scalar(opt.state, "step", value)

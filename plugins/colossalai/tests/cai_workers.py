@@ -225,7 +225,7 @@ def ckpt_job(job: dict[str, Any]) -> dict[str, Any]:
             return out
         out["after_load"] = _independent_state(accel, model, optimizer)
         out["masters_after_load"] = _master_shards(accel)
-    step = accel.applied_steps
+    step = 0  # steps run here: ``start`` is where the checkpoint left off
     start = job.get("start", 0)
     for x, y in loader:
         loss = F.mse_loss(model(x), y)

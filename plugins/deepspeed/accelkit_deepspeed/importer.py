@@ -32,6 +32,7 @@ import torch
 
 from accelkit.checkpoint.codec import drop_callables
 from accelkit.checkpoint.fqn import canonical_fqn
+from accelkit.checkpoint.fragments import param_group_hyperparams
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -194,22 +195,6 @@ def _family(keys: set[str], group: dict[str, Any]) -> str:
     return "unknown"
 
 
-def _hyperparams(group: dict[str, Any]) -> dict[str, Any]:
-    from accelkit.checkpoint.codec import encode
-
-    out = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        try:
-            out[key] = encode(value, f"optimizer/param_groups/{key}")
-        except CheckpointError:
-            log.warning("param group entry %r is not imported (not JSON-able)", key)
-    return out
-
-
 def _optimizer_info(
     groups: list[dict[str, Any]], names: list[list[str]], keys: set[str], granularity: str
 ) -> dict[str, Any]:
@@ -220,7 +205,8 @@ def _optimizer_info(
         "model": "model",
         "step_granularity": granularity,
         "param_groups": [
-            {"params": row, **_hyperparams(group)} for group, row in zip(groups, names)
+            {"params": row, **param_group_hyperparams(group, "optimizer/param_groups")}
+            for group, row in zip(groups, names)
         ],
         "scalar_state": {},
     }

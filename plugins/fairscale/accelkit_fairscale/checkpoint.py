@@ -9,10 +9,10 @@ Nothing is gathered to write a checkpoint; every rank writes what it holds:
 - **FSDP** (``fairscale_fsdp``): a unit's flat parameter is the concatenation of its original
   parameters, flattened, cut into ``world_size`` equal chunks (the last padded). Rank ``r``
   holds flat elements ``[r*S, r*S + S)``; where that range meets original parameter ``p``
-  (flat offset ``o``) it writes the fragment ``p[max(r*S, o) - o : ...]``. Optimizer state with
-  the flat shard's shape is cut the same way; a 0-d state (Adam's ``step``) is written once per
-  original parameter, by the rank holding its first element. The layout comes from FairScale's
-  public ``local_metadata_dict()``. On load each rank reads exactly its ranges back.
+  (flat offset ``o``) it holds the slot ``p[max(r*S, o) - o : ...]``, optimizer state with the
+  flat shard's shape likewise; a 0-d state (Adam's ``step``) is written once per original
+  parameter, by the rank holding its first element. The layout comes from FairScale's public
+  ``local_metadata_dict()``.
 
 FairScale's own gathers (``consolidate_state_dict``, ``state_dict()``,
 ``gather_full_optim_state_dict``) are not used here; the tests use them as the independent path
@@ -28,26 +28,35 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import decode, encode
+from accelkit.checkpoint.codec import decode
 from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint.fragments import dense_fragments, load_dense_fragments
+from accelkit.checkpoint.sharded import (
     BUFFER,
-    MASTER,
-    OPTIM_PREFIX,
     PARAM,
     Fragment,
     ObjectInfo,
     ReplicaPlanner,
+    Slot,
+    check_shape,
     classify_state,
-    dense_fragments,
     fill_tensor,
-    load_dense_fragments,
-    load_param_groups,
+    group_scalar,
+    load_param_states,
+    load_slot_states,
+    match_module_entries,
+    module_info,
     optimizer_info,
-    optimizer_param_names,
+    optimizer_load,
+    param_group_names,
     param_owners,
+    param_state_fragments,
+    ranged_fragments,
+    read_slot,
+    slot_state_fragments,
+    state_like,
     tensor_fragments,
-    warn_family_mismatch,
+    weights_entry,
 )
 from accelkit.errors import CheckpointError
 
@@ -57,28 +66,9 @@ log = logging.getLogger("accelkit")
 _FAIRSCALE_COMPONENTS = ("_fsdp_wrapped_module", "_fpw_module")
 
 
-def _qualname(obj: Any) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
-
-
 def clean_fqn(name: str) -> str:
     parts = [p for p in name.split(".") if p not in _FAIRSCALE_COMPONENTS]
     return canonical_fqn(".".join(parts))
-
-
-def _new_state(like: torch.Tensor, key: str, entry: Any) -> torch.Tensor:
-    """Optimizer state placed as torch's ``Optimizer.load_state_dict`` would: ``step`` on the
-    CPU (optimizers that are not capturable), the rest like the parameter (its dtype if both are
-    floating point)."""
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
-
-    stored = DTYPES_BY_NAME[entry.dtype]
-    if key == "step":
-        return torch.zeros(entry.shape, dtype=stored)
-    dtype = like.dtype if (like.is_floating_point() and stored.is_floating_point) else stored
-    if entry.shape == tuple(like.shape):
-        return torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
-    return torch.zeros(entry.shape, dtype=dtype, device=like.device)
 
 
 # ---- OSS (fairscale_oss, fairscale_sdp) --------------------------------------------------------
@@ -100,20 +90,12 @@ def _oss_optimizer_fragments(
 ) -> Iterator[Fragment | ObjectInfo]:
     import torch.distributed as dist
 
-    group_names, primary = optimizer_param_names(oss, owners)
+    group_names, primary = param_group_names([g["params"] for g in oss.param_groups], owners)
     planner = ReplicaPlanner(backend.rank, backend.world_size)
     scalar_state: dict[str, Any] = {}
-    for group, pnames in zip(oss.param_groups, group_names):
-        for param, pname in zip(group["params"], pnames):
-            for key, value in oss.optim.state.get(param, {}).items():  # owned parameters only
-                if isinstance(value, torch.Tensor):
-                    yield from tensor_fragments(
-                        name, pname, OPTIM_PREFIX + key, value, planner, owner=backend.rank
-                    )
-                else:
-                    scalar_state.setdefault(pname, {})[key] = encode(
-                        value, f"{name}/state/{pname}/{key}"
-                    )
+    yield from param_state_fragments(  # this rank's owned parameters only
+        name, oss.param_groups, group_names, oss.optim.state, planner, scalar_state, backend.rank
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0's info is the one kept
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, scalar_state)
@@ -146,35 +128,22 @@ def load_oss_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None
 def _load_oss_optimizer(
     reader: Any, name: str, oss: Any, owners: dict[int, tuple[str, str]]
 ) -> None:
-    info = reader.object_info(name, "optimizer")
-    group_names, _ = optimizer_param_names(oss, owners, primary=info.get("model"))
-    load_param_groups(
-        reader, name, reader.object_info(name, "optimizer"), oss.param_groups, group_names
-    )
-    warn_family_mismatch(name, info, oss.optim)
+    params = [group["params"] for group in oss.param_groups]
+    saved = optimizer_load(reader, name, oss.optim, oss.param_groups, params, owners)
     # the wrapped optimizer's groups follow OSS's (OSS syncs them at each step; do it now)
     owned = {id(p) for group in oss.optim.param_groups for p in group["params"]}
     for group, local in zip(oss.param_groups, oss.optim.param_groups):
         for key, value in group.items():
             if key != "params":
                 local[key] = value
-    per_param = reader.optimizer_entries(name)
-    scalars = info.get("scalar_state", {})
-    for group, pnames in zip(oss.param_groups, group_names):
-        for param, pname in zip(group["params"], pnames):
-            if id(param) not in owned:
-                continue  # another rank owns this parameter's state now
-            entries, saved_scalars = per_param.get(pname, {}), scalars.get(pname, {})
-            if not entries and not saved_scalars:
-                continue
-            slot = oss.optim.state[param]
-            for key, entry in entries.items():
-                target = slot.get(key)
-                if not isinstance(target, torch.Tensor) or tuple(target.shape) != entry.shape:
-                    target = slot[key] = _new_state(param, key, entry)
-                fill_tensor(reader, entry, target)
-            for key, value in saved_scalars.items():
-                slot[key] = decode(value)
+    load_param_states(  # only the parameters this rank owns now; ``step`` on the CPU
+        reader,
+        saved,
+        oss.param_groups,
+        oss.optim.state,
+        holds=lambda p: id(p) in owned,
+        make=lambda p, key, entry, _group: state_like(p, key, entry),
+    )
 
 
 # ---- FSDP (fairscale_fsdp) --------------------------------------------------------------------
@@ -198,13 +167,13 @@ class _Flat:
     start: int  # flat index of this rank's first element
     size: int  # elements of the flat parameter this rank holds (padding excluded)
 
-    def local_range(self, piece: _Piece) -> tuple[int, int, int] | None:
-        """(start in the local shard, start in the piece, count), or None if disjoint."""
+    def slot(self, piece: _Piece) -> Slot:
+        """The piece's elements this rank holds (none: a count of 0), where they sit in the
+        local shard; keyed by the piece's fqn."""
         lo = max(self.start, piece.offset)
-        hi = min(self.start + self.size, piece.offset + piece.numel)
-        if lo >= hi:
-            return None
-        return lo - self.start, lo - piece.offset, hi - lo
+        count = max(0, min(self.start + self.size, piece.offset + piece.numel) - lo)
+        start, at = (lo - piece.offset, lo - self.start) if count else (0, 0)
+        return Slot(piece.fqn, piece.shape, start, count, self.param.data, at)
 
     def owner_of_first_element(self, piece: _Piece, shard: int, world: int) -> int:
         if piece.numel == 0 or shard == 0:
@@ -287,22 +256,17 @@ def fsdp_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | O
             yield from dense_fragments(backend, state, names=[name])
             continue
         flats = layouts[name] = fsdp_layout(root)
-        yield ObjectInfo(name, {"type": "module", "class": _qualname(backend.unwrap(root))})
+        yield module_info(name, backend.unwrap(root))
+        planner = ReplicaPlanner(rank, world)
         for flat in flats:
-            local = flat.param.data.reshape(-1)
-            shard = flat.param.data.numel()
             for piece in flat.pieces:
                 meta: dict[str, Any] = {"aliases": piece.aliases}
                 if not flat.param.requires_grad:
                     meta["trainable"] = False
-                span = flat.local_range(piece)
-                if span is not None:
-                    at, offset, count = span
-                    data = local[at : at + count]
-                    yield Fragment(name, piece.fqn, PARAM, piece.shape, offset, data, meta)
-                elif piece.numel == 0 and rank == flat.owner_of_first_element(piece, shard, world):
-                    yield Fragment(name, piece.fqn, PARAM, piece.shape, 0, local[:0], meta)
-        planner = ReplicaPlanner(rank, world)
+                slot = flat.slot(piece)
+                yield from ranged_fragments(
+                    name, piece.fqn, PARAM, slot, slot.master, planner, meta
+                )
         for fqn, buffer in _persistent_buffers(root):
             yield from tensor_fragments(name, fqn, BUFFER, buffer, planner, owner=0)
     for name, opt in objects.optimizers.items():
@@ -337,6 +301,7 @@ def _fsdp_optimizer_fragments(
 ) -> Iterator[Fragment | ObjectInfo]:
     rank, world = backend.rank, backend.world_size
     by_param = {id(f.param): f for f in layouts[module_name]}
+    planner = ReplicaPlanner(rank, world)  # passed through: no slot here is replicated
     group_names: list[list[str]] = []
     scalar_state: dict[str, Any] = {}
     for group in opt.param_groups:
@@ -345,40 +310,18 @@ def _fsdp_optimizer_fragments(
             flat = by_param[id(param)]
             names.extend(piece.fqn for piece in flat.pieces)
             shard = param.data.numel()
-            for key, value in opt.state.get(param, {}).items():
-                if not isinstance(value, torch.Tensor):
-                    for piece in flat.pieces:  # the same on every rank: rank 0's is kept
-                        scalar_state.setdefault(piece.fqn, {})[key] = encode(
-                            value, f"{name}/state/{piece.fqn}/{key}"
-                        )
-                    continue
-                if value.dim() == 0:
-                    for piece in flat.pieces:
-                        if rank == flat.owner_of_first_element(piece, shard, world):
-                            yield Fragment(
-                                name, piece.fqn, OPTIM_PREFIX + key, (), 0, value.reshape(-1)
-                            )
-                    continue
-                if value.numel() != shard:
-                    raise CheckpointError(
-                        f"fairscale_fsdp: optimizer state {key!r} has shape "
-                        f"{list(value.shape)}, neither a scalar nor the flat shard's "
-                        f"({shard} elements); this optimizer's state cannot be mapped back to "
-                        "the original parameters"
-                    )
-                local = value.reshape(-1)
-                for piece in flat.pieces:
-                    span = flat.local_range(piece)
-                    if span is not None:
-                        at, offset, count = span
-                        yield Fragment(
-                            name,
-                            piece.fqn,
-                            OPTIM_PREFIX + key,
-                            piece.shape,
-                            offset,
-                            local[at : at + count],
-                        )
+            for piece in flat.pieces:  # a 0-d state by the rank holding the first element
+                yield from slot_state_fragments(
+                    name,
+                    piece.fqn,
+                    flat.slot(piece),
+                    opt.state.get(param, {}),
+                    planner,
+                    rank=rank,
+                    scalar_state=scalar_state,
+                    scalar_rank=flat.owner_of_first_element(piece, shard, world),
+                    where="fairscale_fsdp: ",
+                )
         group_names.append(names)
     yield optimizer_info(
         name,
@@ -410,46 +353,18 @@ def load_fsdp_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> Non
 
 @torch.no_grad()
 def _load_fsdp_module(reader: Any, name: str, root: Any, flats: list[_Flat]) -> None:
-    saved = reader.module_entries(name)
-    by_alias = {alias: entry for entry in saved.values() for alias in entry.aliases}
-    used: set[str] = set()
-    missing: list[str] = []
-    plan: list[tuple[Any, _Flat, _Piece]] = []
-    for flat in flats:
-        for piece in flat.pieces:
-            entry = saved.get(piece.fqn) or by_alias.get(piece.fqn)
-            for alias in piece.aliases:
-                entry = entry or saved.get(alias) or by_alias.get(alias)
-            if entry is None:
-                missing.append(piece.fqn)
-                continue
-            used.add(entry.fqn)
-            used.update(a for a in piece.aliases if a in saved)
-            plan.append((entry, flat, piece))
-    buffers = list(_persistent_buffers(root))
-    for fqn, _ in buffers:
-        if fqn in saved:
-            used.add(fqn)
-        else:
-            missing.append(fqn)
-    reader.check_keys(f"module {name!r}", missing, sorted(set(saved) - used))
-    for entry, flat, piece in plan:
-        if entry.shape != piece.shape:
-            raise CheckpointError(
-                f"tensor {entry.label}: the checkpoint ({reader.manifest_path}) has shape "
-                f"{list(entry.shape)}, the target has {list(piece.shape)}"
-            )
-        master = reader.entry(name, MASTER, entry.fqn)
-        source = master if master is not None else entry
-        span = flat.local_range(piece)
-        if span is None:
+    targets: list[Any] = [
+        (piece.fqn, flat.slot(piece), True, piece.aliases)
+        for flat in flats
+        for piece in flat.pieces
+    ]
+    targets += [(fqn, buffer, False, []) for fqn, buffer in _persistent_buffers(root)]
+    for entry, target, is_param in match_module_entries(reader, name, targets):
+        if not is_param:
+            fill_tensor(reader, entry, target)
             continue
-        at, offset, count = span
-        local = flat.param.data.reshape(-1)
-        reader.read_flat(source, offset, count, out=local[at : at + count])
-    for fqn, buffer in buffers:
-        if fqn in saved:
-            fill_tensor(reader, saved[fqn], buffer)
+        check_shape(reader, entry, target.shape)
+        read_slot(reader, weights_entry(reader, name, entry), target, target.flat)
     for unit in _units(root):
         if unit.has_full_params:  # a gathered copy from before the load would be stale
             unit._free_full_params()
@@ -465,59 +380,35 @@ def _load_fsdp_optimizer(
         [piece.fqn for p in group["params"] for piece in by_param[id(p)].pieces]
         for group in opt.param_groups
     ]
-    info = reader.object_info(name, "optimizer")
-    load_param_groups(reader, name, info, opt.param_groups, names)
-    warn_family_mismatch(name, info, opt)
-    per_param = reader.optimizer_entries(name)
-    scalars = info.get("scalar_state", {})
+    saved = optimizer_load(reader, name, opt, opt.param_groups, [], {}, names=names)
+    per_param, scalars = saved.per_param, saved.scalars
     for group in opt.param_groups:
         for param in group["params"]:
-            flat = by_param[id(param)]
-            keys: dict[str, Any] = {}
-            for piece in flat.pieces:
-                for key, entry in per_param.get(piece.fqn, {}).items():
-                    keys.setdefault(key, []).append((piece, entry))
-            saved_scalars = {
-                k: v for piece in flat.pieces for k, v in scalars.get(piece.fqn, {}).items()
-            }
-            if not keys and not saved_scalars:
+            slots = [by_param[id(param)].slot(piece) for piece in by_param[id(param)].pieces]
+            entries = [per_param.get(slot.param, {}) for slot in slots]
+            saved_scalars = {k: v for s in slots for k, v in scalars.get(s.param, {}).items()}
+            if not any(entries) and not saved_scalars:
                 continue
-            slot = opt.state[param]
-            for key, pairs in keys.items():
-                if all(entry.shape == () for _, entry in pairs):
-                    values = {float(reader.read(entry)) for _, entry in pairs}
-                    if len(values) > 1:
-                        message = (
-                            f"optimizer {name!r}: {key!r} differs between the parameters of "
-                            f"one flat parameter ({sorted(values)}); FairScale keeps one per "
-                            "flat parameter, so the largest is used"
-                        )
-                        if reader.strict:
-                            raise CheckpointError(message + " (pass strict=False to accept)")
-                        log.warning(message)
-                    top = max(pairs, key=lambda pair: float(reader.read(pair[1])))[1]
-                    target = _new_state(param, key, top)
-                    fill_tensor(reader, top, target)
-                    slot[key] = target
-                    continue
-                target = slot.get(key)
-                if not isinstance(target, torch.Tensor) or target.shape != param.data.shape:
-                    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
-
-                    stored = DTYPES_BY_NAME[pairs[0][1].dtype]
-                    dtype = param.dtype if stored.is_floating_point else stored
-                    target = slot[key] = torch.zeros_like(param.data, dtype=dtype)
-                local = target.reshape(-1)
-                for piece, entry in pairs:
-                    if entry.shape != piece.shape:
-                        raise CheckpointError(
-                            f"tensor {entry.label}: the checkpoint has shape "
-                            f"{list(entry.shape)}, the target {list(piece.shape)}"
-                        )
-                    span = flat.local_range(piece)
-                    if span is None:
-                        continue
-                    at, offset, count = span
-                    reader.read_flat(entry, offset, count, out=local[at : at + count])
+            state = opt.state[param]
+            zero_d: dict[str, dict[str, Any]] = {}
+            for slot, saved_entries in zip(slots, entries):
+                for key, entry in load_slot_states(reader, slot, state, saved_entries).items():
+                    zero_d.setdefault(key, {})[slot.param] = entry
+            for key, pieces in zero_d.items():  # FairScale keeps one per flat parameter
+                values = {fqn: float(reader.read(entry)) for fqn, entry in pieces.items()}
+                where = f"the flat parameter of {', '.join(values)}"
+                value = group_scalar(
+                    reader,
+                    name,
+                    saved.info,
+                    key,
+                    values,
+                    where,
+                    "FairScale",
+                    per="flat parameter",
+                    warn_conversion=False,
+                )
+                state[key] = state_like(param, key, next(iter(pieces.values())))
+                state[key].fill_(value)
             for key, value in saved_scalars.items():
-                slot[key] = decode(value)
+                state[key] = decode(value)
