@@ -146,8 +146,8 @@ def _slots(opt: Any, p: torch.Tensor) -> Iterator[tuple[Any, Slot]]:
     """(state bucket, slot) of each range of ``p`` in this rank's shards of the buckets: flat
     elements ``shard_param_range`` of ``p``, at ``shard_range`` of the bucket's shards."""
     for frag in opt.state[p].get("fragments", ()):
-        start, end = frag.shard_range
-        if frag.in_local_shard and end > start:
+        start, end = frag.shard_range if frag.in_local_shard else (0, 0)
+        if end > start:
             bucket = opt.state["buckets"][frag.bucket_id]
             shape, at = tuple(p.shape), frag.shard_param_range[0]
             yield bucket, Slot(p, shape, at, end - start, bucket.exp_avg_shard, start)
