@@ -225,14 +225,12 @@ def ckpt_job(job: dict[str, Any]) -> dict[str, Any]:
             return out
         out["after_load"] = _independent_state(accel, model, optimizer)
         out["masters_after_load"] = _master_shards(accel)
-    step = 0  # steps run here: ``start`` is where the checkpoint left off
-    start = job.get("start", 0)
-    for x, y in loader:
+    start = job.get("start", 0)  # where the checkpoint left off; ``step`` counts those run here
+    for step, (x, y) in enumerate(loader, start=1):
         loss = F.mse_loss(model(x), y)
         accel.backward(loss)
         accel.step()
         optimizer.zero_grad()
-        step += 1
         out["losses"][str(start + step)] = _mean(loss)
         if job.get("save_to") and start + step == job["save_at"]:
             out["at_save"] = _independent_state(accel, model, optimizer)
