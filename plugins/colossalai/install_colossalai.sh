@@ -4,8 +4,8 @@
 #   bash plugins/colossalai/install_colossalai.sh [PYTHON]      (default: python3)
 #
 # colossalai 0.5.0 pins torch<=2.5.1, so it is installed with --no-deps, then only what its
-# Booster imports, with the installed torch pinned as a constraint. About 2 minutes and 740 MB
-# on the 2-core CPU machine. pip's warning that colossalai wants torch<=2.5.1 is expected.
+# Booster imports, with the installed torch pinned as a constraint. pip's warning that colossalai
+# wants torch<=2.5.1 is expected.
 set -euo pipefail
 python="${1:-python3}"
 torch_version="$("$python" -c 'import torch; print(torch.__version__.split("+")[0])')"
