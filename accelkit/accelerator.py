@@ -444,16 +444,19 @@ class Accelerator:
                 data = data.unsqueeze(0)
             elif sizes is not None and data.shape[0] == sizes[1]:
                 data = data[: sizes[0]]
-            counts = distributed.all_gather_object(int(data.shape[0]))
+            # over the data-parallel replicas only: the ranks of one replica hold the same samples
+            group = self.backend.data_parallel_group()
+            counts = distributed.all_gather_object(int(data.shape[0]), group)
             pad = max(counts) - data.shape[0]
             if pad:
                 data = torch.cat([data, data.new_zeros((pad, *data.shape[1:]))])
-            gathered = distributed.all_gather(data.to(self.device))
+            gathered = distributed.all_gather(data.to(self.device), group)
             return torch.cat([gathered[r, : counts[r]] for r in range(len(counts))])
         items = list(data) if isinstance(data, (list, tuple)) else [data]
         if sizes is not None and len(items) == sizes[1]:
             items = items[: sizes[0]]
-        return [x for part in distributed.all_gather_object(items) for x in part]
+        gathered_items = distributed.all_gather_object(items, self.backend.data_parallel_group())
+        return [x for part in gathered_items for x in part]
 
     def _last_batch_sizes(self) -> tuple[int, int] | None:
         """At an epoch's last batch from a padded sampler: (real samples, batch size) of this

@@ -191,6 +191,17 @@ class Backend:
     def data_parallel_world_size(self) -> int:
         return self.world_size
 
+    def data_parallel_group(self) -> Any:
+        """Hook: the process group of this rank's data-parallel peers, or None for every process.
+
+        Collectives over samples (``gather_for_metrics``) run on it: under tensor or pipeline
+        parallelism the ranks of one replica read the same samples, so gathering over every
+        process would return each sample several times. Gets nothing; returns a
+        ``torch.distributed`` group whose ranks are the replicas that ``data_parallel_rank``
+        numbers. The default, None, is the world group (every process is a replica).
+        """
+        return None
+
     # ---- the training protocol -----------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """Context in which the user builds the model."""

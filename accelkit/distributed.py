@@ -295,20 +295,22 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Gather a picklable object from every rank of ``group`` (None: every process)."""
     refuse_unsynced("all_gather_object")
     if not _multi():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    _collective("all_gather_object", dist.all_gather_object, out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    _collective("all_gather_object", dist.all_gather_object, out, obj, group=group)
     return out
 
 
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Gather same-shaped tensors from every rank, stacked on a new first dimension."""
+def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Gather same-shaped tensors from every rank of ``group`` (None: every process), stacked
+    on a new first dimension."""
     refuse_unsynced("all_gather")
     if not _multi():
         return tensor.unsqueeze(0)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    _collective("all_gather", dist.all_gather, parts, tensor.contiguous())
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _collective("all_gather", dist.all_gather, parts, tensor.contiguous(), group=group)
     return torch.stack(parts)

@@ -33,7 +33,8 @@ echo "setup: accelkit[test] and the plugins: ${editable[*]}"
 "${pip[@]}" "${editable[@]}"
 
 if [ -f plugins/colossalai/install_colossalai.sh ]; then
-    echo "setup: colossalai (without its torch pin)"
+    echo "setup: colossalai 0.5.0 without its dependencies; pip then lists what colossalai declares but"
+    echo "       its Booster does not need (diffusers, ray, torch<=2.5.1, ...): that list is expected"
     bash plugins/colossalai/install_colossalai.sh "$venv/bin/python"
 fi
 

@@ -685,3 +685,8 @@ class ColossalHybridBackend(ColossalAIBackend):
         if self.plugin is None:
             return self.world_size
         return self.plugin.dp_group.size()
+
+    def data_parallel_group(self) -> Any:
+        """The plugin's data-parallel group: under ``tp_size``/``pp_size`` > 1 the ranks of one
+        replica read the same samples, so ``gather_for_metrics`` gathers over this group."""
+        return None if self.plugin is None else self.plugin.dp_group
