@@ -30,7 +30,6 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks, worker_env
 
 import accelkit
 from accelkit.benchmark import runner
@@ -38,6 +37,7 @@ from accelkit.benchmark.hook_testing import ONE_LINEAR, ONE_LINEAR_PARAMS
 from accelkit.benchmark.memory import model_stats, parse_size
 from accelkit.benchmark.workloads import GPT, count_params, get_workload
 from accelkit.cli import main as cli_main
+from accelkit.testing import run_ranks, worker_env
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = HERE / "bench_plan_reference.py"

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import test_checkpoint_reference as ref
 import torch
-from _dist import run_ranks
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def _job(
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=ref.LR, weight_decay=0.1)
     model, opt = accel.setup(model, opt)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)
+    sched = accel.setup_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30))
     loader = accel.setup_dataloader(
         DataLoader(ref.Samples(), batch_size=ref.GLOBAL_BATCH // world, shuffle=True)
     )

@@ -13,9 +13,9 @@ import json
 
 import pytest
 import torch
-from _dist import run_ranks
 
 import accelkit
+from accelkit.testing import run_ranks
 
 SEED = 3
 

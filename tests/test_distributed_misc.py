@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from _dist import run_ranks, spawn_ranks
 
 import accelkit
+from accelkit.testing import run_ranks, spawn_ranks
 
 
 # ---- one process: the collectives are identities ----------------------------------------------

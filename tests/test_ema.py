@@ -16,12 +16,12 @@ import struct
 
 import pytest
 import torch
-from _dist import run_ranks
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import accelkit
 from accelkit.ema import EMA
 from accelkit.errors import CheckpointError, ConfigError, UnsupportedError
+from accelkit.testing import run_ranks
 
 SEED = 5
 DECAY = 0.9  # small enough that every step moves the average visibly

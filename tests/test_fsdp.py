@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
+
+from accelkit.testing import run_ranks
 
 VOCAB, WIDTH, HIDDEN, LAYERS, SEQ = 17, 8, 12, 3, 5
 SAMPLES, BATCH, ACCUMULATION, EPOCHS = 26, 2, 3, 2  # 13 samples per rank -> 7 micro-batches
@@ -238,7 +239,7 @@ def accelkit_run(
         model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     model, opt = accel.setup(model, optimizer, **(setup_kwargs or {}))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    scheduler = accel.setup_scheduler(torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     loader = accel.setup_dataloader(torch.utils.data.DataLoader(dataset(), batch_size=BATCH))
     losses, norms, lrs, skipped, scales, grads_after_first = [], [], [], [], [], None
     micro = 0
@@ -297,7 +298,7 @@ def compare(run: dict[str, Any], ref: dict[str, Any], rank: int | None) -> dict[
     }
 
 
-# ---- workers (run on each of 2 gloo ranks by _dist.run_ranks) -------------------------------
+# ---- workers (run on each of 2 gloo ranks by accelkit.testing.run_ranks) -------------------------------
 def _join() -> tuple[int, int]:
     import torch.distributed as dist
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 import torch
-from _dist import spawn_ranks
 
 import accelkit
+from accelkit.testing import spawn_ranks
 
 TIMEOUT_S = 10.0
 LIVENESS_BOUND_S = 240

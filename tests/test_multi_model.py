@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
 from gan_reference import (
     ACCUM,
     ITERS,
@@ -31,6 +30,7 @@ from gan_reference import (
 
 import accelkit
 from accelkit.errors import CheckpointError
+from accelkit.testing import run_ranks
 
 
 # ---- raw reference ---------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _dist import worker_env
+
+from accelkit.testing import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers.py"

@@ -24,7 +24,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
 from reference_raw import train_reference
 from test_reference import (
     CONFIG,
@@ -38,6 +37,7 @@ from test_reference import (
 )
 
 import accelkit
+from accelkit.testing import run_ranks
 
 PRECISIONS = ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 CPU_RTOL = 1e-5
@@ -105,7 +105,9 @@ def test_fp16_inf_gradient_skips_step_backs_off_scale_and_holds_scheduler(inject
     accel = accelkit.get("cpu", precision="16-mixed", max_grad_norm=1.0, seed=0)
     model = Net(FEATURES, 16)
     model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    )
     scaler = accel.backend.precision.scaler
     x, y = make_data(4)
 

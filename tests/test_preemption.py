@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks, spawn_ranks
 
 import accelkit
 from accelkit.errors import CheckpointError, ConfigError
 from accelkit.preemption import StopSignal, latest_checkpoint
+from accelkit.testing import run_ranks, spawn_ranks
 
 SEED = 11
 SAMPLES = 48  # 6 steps per epoch at 2 ranks x batch 4
@@ -53,7 +53,7 @@ def build(accel):
     )
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     model, opt = accel.setup(model, opt)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    sched = accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7))
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(
         torch.randn(SAMPLES, 6, generator=g),

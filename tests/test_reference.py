@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
 from reference_raw import train_reference
 
 import accelkit
+from accelkit.testing import run_ranks
 
 FP32_RTOL = 1e-5
 
@@ -111,7 +111,9 @@ def train_with_accelkit(
     model, optimizer = accel.setup(
         model, torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     )
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
+    )
     dataset = torch.utils.data.TensorDataset(features, targets)
     loader = accel.setup_dataloader(
         torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _dist import run_ranks
+
+from accelkit.testing import run_ranks
 
 FEATURES, WIDTH, LAYERS, STEPS, BATCH = 6, 16, 3, 4, 4
 SEED, LR, MAX_NORM = 321, 0.05, 0.5

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 
 import accelkit
 from accelkit.errors import ConfigError
+from accelkit.testing import run_ranks
 from accelkit.tracking import (
     Throughput,
     measure_flops,

@@ -86,7 +86,9 @@ def main() -> None:
         "events": events,
     }
     (outdir / f"rank-{rank}.json").write_text(json.dumps(result))
-    time.sleep(0.1)  # let gloo's threads finish before the interpreter does (see fs_launch.py)
+    time.sleep(
+        0.1
+    )  # let gloo's threads finish before the interpreter does (see accelkit/testing/_rank.py)
 
 
 if __name__ == "__main__":

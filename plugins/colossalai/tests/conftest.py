@@ -1,5 +1,5 @@
 """Fixtures of the ColossalAI plugin tests: a clean process state per test, GPU tests skipped
-without CUDA. Multi-process tests run their workers in subprocesses (``cai_run.run_ranks``)."""
+without CUDA. Multi-process tests run their workers in subprocesses (``accelkit.testing.run_ranks``)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import torch
 
 pytest.importorskip("colossalai")
 
-from cai_run import run_ranks
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
 

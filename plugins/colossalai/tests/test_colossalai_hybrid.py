@@ -18,7 +18,8 @@ pytest.importorskip("colossalai")
 pytest.importorskip("transformers")
 
 import torch
-from cai_run import run_ranks
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,10 @@ import torch
 
 pytest.importorskip("colossalai")
 
-from cai_run import run_ranks
-
 import accelkit
 from accelkit.checkpoint.convert import convert
 from accelkit.errors import CheckpointError
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -289,7 +289,8 @@ def test_other_backends_get_no_answer_from_this_plugin(stats):
 def test_zero_estimate_matches_raw_low_level_zero():
     pytest.importorskip("colossalai")
     from cai_memory_reference import build_model
-    from cai_run import run_ranks
+
+    from accelkit.testing import run_ranks
 
     cfgs = [
         {"name": f"stage{s}-{p}", "stage": s, "precision": p}

@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("colossalai")
 
-from cai_run import run_ranks
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

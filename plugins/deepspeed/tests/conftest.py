@@ -1,6 +1,6 @@
 """Fixtures of the accelkit-deepspeed tests.
 
-DeepSpeed is imported only in the processes the tests launch (dsk_launch.run_ranks), never in
+DeepSpeed is imported only in the processes the tests launch (accelkit.testing.run_ranks), never in
 pytest's own process: importing it here would leak its global state into every other test.
 """
 

@@ -1,4 +1,4 @@
-"""Worker entry points run by dsk_launch in each rank: the accelkit side and both references."""
+"""Worker entry points run by accelkit.testing.run_ranks in each rank: the accelkit side and both references."""
 
 from __future__ import annotations
 

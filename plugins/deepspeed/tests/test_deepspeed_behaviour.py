@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from dsk_launch import run_ranks
+from test_deepspeed_training import CPU_ENV
+
+from accelkit.testing import run_ranks
 
 
 @pytest.fixture(scope="module")
 def checks() -> dict:
-    return run_ranks("dsk_checks:all_checks", nproc=1)[0]
+    return run_ranks("dsk_checks:all_checks", nproc=1, env=CPU_ENV)[0]
 
 
 @pytest.fixture

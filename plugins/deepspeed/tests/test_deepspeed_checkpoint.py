@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dsk_launch import run_ranks
+from test_deepspeed_training import CPU_ENV
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +63,7 @@ def _cpu_fp16() -> bool:
 
 
 def _jobs(nproc: int, jobs: list[dict[str, Any]]) -> dict[str, Any]:
-    ranks = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=nproc, timeout=900)
+    ranks = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=nproc, env=CPU_ENV, timeout=900)
     for name, result in ranks[0].items():
         for other in ranks[1:]:  # every rank saw the same global losses and outcome
             assert other[name].get("losses") == result.get("losses"), name

@@ -25,14 +25,16 @@ from typing import Any
 
 import pytest
 import torch
-from dsk_launch import run_ranks
 from test_deepspeed_training import (
     COMMON,
+    CUDA_ENV,
     TOLERANCES,
     differences,
     expected_skipped,
     within,
 )
+
+from accelkit.testing import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -51,7 +53,7 @@ def run(scenarios: list[dict[str, Any]], nproc: int) -> list[list[dict[str, Any]
         "dsk_worker:compare",
         {"scenarios": [dict(s, device="cuda") for s in scenarios], "keep_going": True},
         nproc=nproc,
-        device="cuda",
+        env=CUDA_ENV,
         timeout=900,
     )
 
@@ -206,7 +208,7 @@ def test_zero3_bf16_checkpoint_round_trip_on_cuda(gpu_report, tmp_path, nproc):
     ]
     if nproc == 1:  # the cpu backend is one process
         jobs.append(dict(name="cpu<-z3", backend="cpu", load_from=path))
-    results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=nproc, device="cuda", timeout=600)
+    results = run_ranks("dsk_ckpt:jobs", {"jobs": jobs}, nproc=nproc, env=CUDA_ENV, timeout=600)
     runs = results[0]
     all_problems = []
     source = runs["z3"]

@@ -39,7 +39,12 @@ from typing import Any
 
 import pytest
 import torch
-from dsk_launch import run_ranks
+
+from accelkit.testing import run_ranks
+
+#: what every launched rank needs: DeepSpeed on the CPU (its accelerator is read at import)
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+CUDA_ENV = {"DS_ACCELERATOR": "cuda", "PYTHONWARNINGS": "ignore"}
 
 TOLERANCES = {  # precision: (loss rtol, weight atol, grad-norm rtol)
     "32-true": (1e-5, 1e-5, 1e-5),
@@ -134,7 +139,9 @@ def assert_equal_to_raw_deepspeed(
 
 
 def run(scenarios: list[dict[str, Any]], nproc: int = 2, **kwargs: Any) -> list[list[dict]]:
-    return run_ranks("dsk_worker:compare", {"scenarios": scenarios, **kwargs}, nproc=nproc)
+    return run_ranks(
+        "dsk_worker:compare", {"scenarios": scenarios, **kwargs}, nproc=nproc, env=CPU_ENV
+    )
 
 
 def check_training(scenarios, ranks, *, twin: bool = False) -> None:

@@ -1,5 +1,5 @@
 """Fixtures of the FairScale plugin tests: a clean process state per test, GPU tests skipped
-without CUDA. Multi-process tests run their workers in subprocesses (``fs_run.run_ranks``);
+without CUDA. Multi-process tests run their workers in subprocesses (``accelkit.testing.run_ranks``);
 the test-only CPU shim is applied only there, never in this process."""
 
 from __future__ import annotations

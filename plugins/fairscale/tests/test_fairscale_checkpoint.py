@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fs_run import run_ranks
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

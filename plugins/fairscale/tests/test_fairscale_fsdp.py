@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from fs_run import run_ranks
 
 import accelkit
 from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.testing import run_ranks
 
 
 # ---- registration -------------------------------------------------------------------------------
@@ -180,7 +180,9 @@ def test_lr_scheduler_reaches_the_sharded_optimizer():
     accel = accelkit.get("fairscale_oss", device="cpu")
     model = torch.nn.Linear(3, 2)
     model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    )
     for _ in range(3):
         accel.backward(model(torch.ones(2, 3)).sum())
         accel.step()

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fs_run import run_ranks
 from test_fairscale_checkpoint import LOSS_RTOL, flip_byte_of
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fs_run import run_ranks
 from test_fairscale_oss_sdp import DDP_RTOL, SAME_RTOL, compare
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ import math
 from typing import Any
 
 import pytest
-from fs_run import run_ranks
+
+from accelkit.testing import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,219 @@
+"""Test tools for accelkit and its backend plugins: a multi-rank launcher and the conformance
+suite (:mod:`accelkit.testing.conformance`).
+
+``import accelkit`` never imports this package, and this module imports neither torch nor
+accelkit: a test collects fast and a raw reference process stays free of accelkit.
+
+Test side::
+
+    from accelkit.testing import run_ranks
+
+    results = run_ranks("my_workers:train", {"steps": 4}, nproc=2)  # one result per rank
+
+Worker side: a module-level function taking ``**kwargs`` and returning something
+JSON-serialisable, in a module the test process can import (a test folder is on its
+``sys.path`` under pytest). Each rank runs ``accelkit/testing/_rank.py`` by path, which imports
+that module from the folder the test process found it in, calls the function, and writes the
+result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RanksFailed", "free_port", "run_ranks", "spawn_ranks", "worker_env"]
+
+RANK_SCRIPT = Path(__file__).resolve().parent / "_rank.py"
+PATH_ENV = "ACCELKIT_TESTING_PATH"  # the same name as in _rank.py (which imports nothing)
+#: gloo's exit race (see _rank.py): a finished run whose only fault is this abort at exit
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RanksFailed(AssertionError):
+    """A multi-rank run failed; the message holds each rank's stderr tail."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (a launch retries once if another takes it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a worker: one thread per process (CI has 2 cores), no inherited rank."""
+    env = dict(os.environ)
+    for key in _LAUNCH_ENV:
+        env.pop(key, None)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env
+
+
+def _module_folders(target: str, path: Iterable[str | os.PathLike] = ()) -> list[str]:
+    """The folders a rank needs on ``sys.path``: ``path``, then the one this process imports
+    the target's module from (found without importing it)."""
+    module_name, sep, function_name = target.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(f"target must be 'module:function', got {target!r}")
+    folders = [str(Path(p).resolve()) for p in path]
+    top = module_name.split(".")[0]
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        raise ValueError(f"{target}: module {top!r} is not importable from this process")
+    if spec.origin and spec.origin not in ("built-in", "frozen"):
+        origin = Path(spec.origin)
+        root = origin.parent.parent if origin.name == "__init__.py" else origin.parent
+        folders.append(str(root))
+    elif spec.submodule_search_locations:  # a namespace package
+        folders.extend(str(Path(p).parent) for p in spec.submodule_search_locations)
+    return list(dict.fromkeys(folders))
+
+
+def _rank_env(target: str, path: Iterable[str | os.PathLike], extra: dict[str, str] | None):
+    env = worker_env(extra)
+    env[PATH_ENV] = os.pathsep.join(_module_folders(target, path))
+    return env
+
+
+def _tail(path: Path, chars: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return text[-chars:] or "(empty)"
+
+
+def _rank_logs(logdir: Path, nproc: int) -> str:
+    """Each rank's stderr tail, from torchrun's per-rank logs (``--log-dir``/``--redirects``)."""
+    parts = []
+    for rank in range(nproc):
+        found = sorted(logdir.glob(f"**/attempt_*/{rank}/stderr.log"))
+        stderr = _tail(found[-1], 6000) if found else "(no log)"
+        parts.append(f"--- rank {rank} stderr ---\n{stderr}")
+    return "\n".join(parts)
+
+
+def run_ranks(
+    target: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    nproc: int = 2,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    path: Iterable[str | os.PathLike] = (),
+) -> list[Any]:
+    """Run ``module:function(**kwargs)`` on ``nproc`` gloo-ready processes under torchrun (what
+    users run); return the results by rank.
+
+    ``env`` adds to the workers' environment; ``path`` adds folders to find the module in
+    (besides the one this process finds it in). A failure raises :class:`RanksFailed` with each
+    rank's stderr tail; a run past ``timeout`` seconds raises it too.
+    """
+    rank_env = _rank_env(target, path, env)
+    with tempfile.TemporaryDirectory(prefix="accelkit-ranks-") as tmp:
+        outdir = Path(tmp)
+        (outdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
+        for attempt in range(2):  # a second try only if another process took the free port
+            logdir = outdir / f"logs-{attempt}"
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={nproc}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}",
+                f"--log-dir={logdir}",
+                "--redirects=3",
+                str(RANK_SCRIPT),
+                target,
+                str(outdir),
+            ]
+            try:
+                proc = subprocess.run(
+                    cmd, env=rank_env, capture_output=True, text=True, timeout=timeout
+                )
+            except subprocess.TimeoutExpired as err:
+                raise RanksFailed(
+                    f"{target} did not finish on {nproc} processes within {timeout:.0f} s\n"
+                    f"{_rank_logs(logdir, nproc)}"
+                ) from err
+            output = proc.stderr + _rank_logs(logdir, nproc)
+            if "address already in use" not in output.lower():
+                break
+        results = [outdir / f"rank-{r}.json" for r in range(nproc)]
+        finished = all(result.exists() for result in results)
+        # every rank returned and wrote its result; only gloo's exit race aborted a process
+        exit_race_only = finished and GLOO_EXIT_ABORT in output
+        if proc.returncode != 0 and not exit_race_only:
+            raise RanksFailed(
+                f"{target} failed on {nproc} processes (exit {proc.returncode})\n"
+                f"{_rank_logs(logdir, nproc)}\n"
+                f"--- torchrun ---\n{proc.stderr[-3000:]}"
+            )
+        return [json.loads(result.read_text()) for result in results]
+
+
+def spawn_ranks(
+    target: str,
+    kwargs: dict[str, Any],
+    outdir: Path,
+    *,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    launcher: str = "torchrun",
+    path: Iterable[str | os.PathLike] = (),
+) -> list[subprocess.Popen]:
+    """Start ``nproc`` plain processes with the environment a launcher gives its tasks:
+    ``torchrun``'s RANK/WORLD_SIZE/MASTER_*, or ``slurm``'s SLURM_* (``srun`` without torchrun).
+
+    For tests where torchrun's agent would hide the behaviour (it kills the survivors when one
+    rank dies). The caller waits for the processes; each writes ``outdir/rank-<r>.json``.
+    """
+    if launcher not in ("torchrun", "slurm"):
+        raise ValueError(f"launcher must be 'torchrun' or 'slurm', got {launcher!r}")
+    (outdir / "kwargs.json").write_text(json.dumps(kwargs))
+    port = str(free_port())
+    base_env = _rank_env(target, path, env)
+    procs = []
+    for rank in range(nproc):
+        rank_env = {k: v for k, v in base_env.items() if not k.startswith("SLURM_")}
+        if launcher == "slurm":
+            rank_env.update(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                SLURM_NTASKS=str(nproc),
+                SLURM_NODELIST="localhost",
+                SLURM_JOB_ID="4242",
+                SLURM_JOB_NAME="train",
+                MASTER_PORT=port,  # SLURM has no port; a job sets one or accelkit derives it
+            )
+        else:
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(RANK_SCRIPT), target, str(outdir)],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs

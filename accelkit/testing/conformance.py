@@ -1,0 +1,604 @@
+"""The contract every accelkit backend passes, as pytest tests a backend's own suite runs.
+
+In a backend's test module, one line per configuration::
+
+    from accelkit.testing.conformance import backend_contract
+
+    TestStage2Contract = backend_contract("deepspeed_stage_2", world_sizes=(1, 2))
+
+or subclass :class:`BackendContract` and set its attributes (``backend``, ``options``,
+``world_sizes``, ...). pytest collects the class (its name starts with ``Test``) and runs:
+
+- ``setup`` returns torch optimizers (the Accelerator's and the backend's own);
+- a few steps with accumulation 2 and clipping match a raw PyTorch loop written below (same data,
+  same initial weights, no accelkit): every loss, every pre-clip gradient norm, the final weights;
+- ``accel.grad_norm`` is a 0-d tensor on the backend's device, and on CUDA the step that computes
+  it makes no host sync (``torch.cuda.set_sync_debug_mode``);
+- a checkpoint saved at the largest world size loads at each of ``resume_world_sizes`` and the
+  run continues on the same trajectory; a core backend (``resume_with``) continues it too;
+- a checkpoint with a flipped byte raises ``CheckpointError``;
+- listing the backend names imports neither the backend's library nor its module;
+- an unknown option and an unknown precision are ``ConfigError``s naming the value.
+
+Every rank-side part runs in fresh processes (:func:`accelkit.testing.run_ranks`), each launch
+once per class and world size; the tests assert on the cached results. One launch per class is
+in the default test run: the training run at the smallest multi-rank world size (one process
+where the backend has no other), which also probes imports and bad input first; every other
+case is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from accelkit.testing import _module_folders, run_ranks
+
+__all__ = ["BackendContract", "MLPWorkload", "backend_contract", "check_backend", "raw_reference"]
+
+#: micro-batches per optimizer step, optimizer steps per run, steps before the checkpoint
+ACCUMULATION = 2
+STEPS = 4
+SAVE_AT = 2
+#: below every pre-clip norm of the default workload (measured 0.62 to 1.30), so every step
+#: clips and a backend that ignores max_grad_norm fails
+CLIP = 0.3
+#: samples per global micro-batch: divisible by 1, 2 and 3 data-parallel ranks
+GLOBAL_BATCH = 6
+#: (rtol, atol) of accelkit against the raw loop and of a resume against the unbroken run, per
+#: precision. 32-true: measured floor on torch 2.13 CPU 2.4e-7 relative (the all-reduce adds
+#: the ranks' gradients in another order than one process does); 1e-5 leaves 40x. The others
+#: scale with the precision's epsilon (bf16 3.9e-3, fp16 4.9e-4) over a few steps; they run on
+#: the GPU machine only.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "32-true": (1e-5, 1e-6),
+    "bf16-mixed": (3e-2, 3e-3),
+    "16-mixed": (5e-3, 5e-4),
+    "bf16-true": (5e-2, 5e-3),
+    "16-true": (1e-2, 1e-3),
+}
+
+
+class MLPWorkload:
+    """A tiny regression MLP trained with Adam: the default workload of the contract.
+
+    A workload is any class with these four methods; ``BackendContract.workload`` names it as
+    ``"module:Class"`` (a backend that only trains certain models brings its own). It must not
+    import accelkit: the raw reference runs it too.
+    """
+
+    seed = 1234
+
+    def build(self) -> Any:
+        import torch
+
+        torch.manual_seed(self.seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+    def optimizer(self, params: Any) -> Any:
+        import torch
+
+        return torch.optim.Adam(params, lr=1e-2)
+
+    def batch(self, index: int) -> dict[str, Any]:
+        """Global micro-batch ``index`` (``GLOBAL_BATCH`` samples along the first dimension)."""
+        import torch
+
+        generator = torch.Generator().manual_seed(1000 + index)
+        x = torch.randn(GLOBAL_BATCH, 8, generator=generator)
+        return {"x": x, "y": x.sum(dim=1, keepdim=True).sin()}
+
+    def loss(self, model: Any, batch: dict[str, Any]) -> Any:
+        import torch
+
+        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def _import(target: str) -> Any:
+    module_name, _, attribute = target.partition(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _flat_state(state: dict[str, Any]) -> dict[str, list[float]]:
+    return {k: v.detach().float().reshape(-1).cpu().tolist() for k, v in state.items()}
+
+
+# ---- the reference: raw PyTorch, nothing of accelkit ---------------------------------------
+def raw_reference(workload: str, steps: int = STEPS) -> dict[str, Any]:
+    """The loop the backend must reproduce, in one process on the global batch: each micro-batch's
+    loss divided by the accumulation steps, the total norm clipped to ``CLIP``, one step."""
+    import torch
+
+    work = _import(workload)()
+    model = work.build()
+    optimizer = work.optimizer(model.parameters())
+    losses, norms = [], []
+    for step in range(steps):
+        for micro in range(ACCUMULATION):
+            loss = work.loss(model, work.batch(step * ACCUMULATION + micro))
+            (loss / ACCUMULATION).backward()
+            losses.append(float(loss.detach()))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"losses": losses, "norms": norms, "params": _flat_state(model.state_dict())}
+
+
+# ---- what each rank runs (through run_ranks) -----------------------------------------------
+def _register(plugin: str | None) -> None:
+    if plugin:
+        import accelkit
+
+        obj = _import(plugin) if ":" in plugin else importlib.import_module(plugin)
+        accelkit.register_plugin(obj() if isinstance(obj, type) else obj, plugin)
+
+
+def _shard(batch: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    size = GLOBAL_BATCH // world
+    return {k: v[rank * size : (rank + 1) * size] for k, v in batch.items()}
+
+
+def train_job(
+    backend: str,
+    options: dict[str, Any],
+    precision: str | None,
+    workload: str,
+    plugin: str | None = None,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    tampered: str | None = None,
+    probe: bool = False,
+) -> dict[str, Any]:
+    """Train ``STEPS`` steps (saving after ``SAVE_AT``), or load ``load_from`` and train the rest;
+    report losses (global means), norms, what ``grad_norm`` is, and the final full weights.
+    ``probe``: first run :func:`probe_job` (in this process, before anything else is imported)."""
+    out: dict[str, Any] = {}
+    if probe:
+        out["probe"] = probe_job(backend, options, plugin)  # registers the plugin
+    else:
+        _register(plugin)
+    import torch
+
+    import accelkit
+
+    accel = accelkit.get(
+        backend,
+        options or None,
+        precision=precision,
+        accumulation_steps=ACCUMULATION,
+        max_grad_norm=CLIP,
+    )
+    work = _import(workload)()
+    net = work.build()
+    model, optimizer = accel.setup(net, work.optimizer(net.parameters()))
+    out["optimizers"] = {
+        "returned": isinstance(optimizer, torch.optim.Optimizer),
+        "backend": isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer),
+        "types": [type(optimizer).__name__, type(getattr(optimizer, "optimizer", None)).__name__],
+    }
+    state = {"model": model, "optimizer": optimizer}
+    first = 0
+    if tampered is not None:
+        try:
+            accel.load(tampered, state)
+            out["tampered"] = None
+        except Exception as err:  # the contract says which class; report what it was
+            out["tampered"] = [type(err).__name__, str(err)[:300]]
+    if load_from is not None:
+        accel.load(load_from, state)
+        first = SAVE_AT
+    dp_rank = accel.backend.data_parallel_rank
+    dp_world = accel.backend.data_parallel_world_size
+    cuda = accel.device.type == "cuda"
+    losses, norms, kinds, syncs = [], [], [], 0
+    for step in range(first, STEPS):
+        for micro in range(ACCUMULATION):
+            batch = accel.to_device(
+                _shard(work.batch(step * ACCUMULATION + micro), dp_rank, dp_world)
+            )
+            with accel.accumulate(model):
+                loss = work.loss(model, batch)
+                accel.backward(loss)
+            closes = micro == ACCUMULATION - 1
+            if closes and cuda:  # the step that computes the norm: count host syncs
+                torch.cuda.synchronize()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        applied = accel.step()
+                        norm = accel.grad_norm
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                syncs += sum("synchroniz" in str(w.message) for w in caught)
+            else:
+                applied = accel.step()
+                norm = accel.grad_norm
+            losses.append(float(accel.all_reduce(loss.detach().float(), "mean")))
+            if applied:
+                kinds.append(
+                    [
+                        type(norm).__name__,
+                        getattr(norm, "dim", lambda: -1)(),
+                        str(getattr(norm, "device", "")).split(":")[0],
+                    ]
+                )
+                norms.append(float(norm))
+            optimizer.zero_grad()
+        if save_to is not None and step + 1 == SAVE_AT:
+            accel.save(save_to, state)
+    out.update(
+        losses=losses,
+        norms=norms,
+        norm_kinds=kinds,
+        device=accel.device.type,
+        host_syncs_in_step=syncs if cuda else None,
+        params=_flat_state(accel.full_state_dict(model)),
+        dp=[dp_rank, dp_world],
+    )
+    accel.end_training()
+    return out
+
+
+def probe_job(backend: str, options: dict[str, Any], plugin: str | None = None) -> dict[str, Any]:
+    """In a fresh process: which backend modules listing the names imported, and what bad
+    input raises."""
+    from accelkit import registry
+
+    _register(plugin)
+    host = registry.host()
+    host.ensure_loaded()
+    names = host.registry.names()
+    spec = host.resolve(backend)
+    watched = list(spec.requires)
+    if isinstance(spec.factory, str):
+        watched.append(spec.factory.partition(":")[0])
+    out: dict[str, Any] = {
+        "listed": backend in names,
+        "watched": watched,
+        "imported": [m for m in watched if m in sys.modules],
+    }
+    import accelkit
+
+    for key, kwargs in (
+        ("unknown_option", {"no_such_option_kq": 1}),
+        ("unknown_precision", {"precision": "fp33-weird"}),
+    ):
+        try:
+            accelkit.get(backend, options or None, **kwargs)
+            out[key] = None
+        except Exception as err:
+            out[key] = [type(err).__name__, [c.__name__ for c in type(err).__mro__], str(err)]
+    return out
+
+
+# ---- the test class ---------------------------------------------------------------------------
+_TMP = Path(tempfile.mkdtemp(prefix="accelkit-contract-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+_CACHE: dict[tuple, Any] = {}
+
+
+def _tamper(source: Path, target: Path) -> Path:
+    """A copy of a checkpoint with one byte flipped inside the first model or optimizer tensor
+    of each tensor file (a tensor every load reads, unlike another rank's RNG state)."""
+    if target.exists():
+        return target
+    shutil.copytree(source, target)
+    for shard in sorted(target.rglob("*.safetensors")):
+        raw = bytearray(shard.read_bytes())
+        header_size = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + header_size])
+        spans = [v["data_offsets"] for k, v in header.items() if not k.startswith("__")]
+        spans = [(lo, hi) for lo, hi in spans if hi > lo]
+        if spans:
+            lo, hi = min(spans)
+            raw[8 + header_size + (lo + hi) // 2] ^= 0x01
+            shard.write_bytes(bytes(raw))
+    return target
+
+
+def _close(mine: list[float], reference: list[float], tolerance: tuple[float, float], what: str):
+    rtol, atol = tolerance
+    assert len(mine) == len(reference), f"{what}: {len(mine)} values, reference {len(reference)}"
+    worst = max(
+        (abs(a - b) - rtol * abs(b) for a, b in zip(mine, reference, strict=True)), default=0.0
+    )
+    assert worst <= atol and all(math.isfinite(a) for a in mine), (
+        f"{what} differ beyond rtol={rtol}, atol={atol}: {mine[:6]} vs {reference[:6]}"
+    )
+
+
+def _close_params(mine: dict, reference: dict, tolerance: tuple[float, float], what: str) -> None:
+    assert sorted(mine) == sorted(reference), f"{what}: names {sorted(mine)} vs {sorted(reference)}"
+    for name in reference:
+        _close(mine[name], reference[name], tolerance, f"{what} {name}")
+
+
+class BackendContract:
+    """Subclass (with a name starting ``Test``) and set ``backend``; see the module docstring.
+
+    Attributes are class-level: ``backend`` (the registered name), ``options`` (passed to
+    ``accelkit.get``), ``precision``, ``world_sizes`` (the training runs), ``resume_world_sizes``
+    (where the checkpoint saved at ``max(world_sizes)`` must load), ``resume_with`` (a core
+    backend and its world size that must continue the run), ``workload`` (``"module:Class"``),
+    ``plugin`` (``"module:attribute"`` of a plugin object every rank registers, for a backend
+    registered in-process), ``env`` (added to the ranks' environment), ``gpu`` / ``slow`` (mark
+    every case), ``timeout`` (seconds per launch), ``path`` (more folders the ranks import from).
+    """
+
+    backend: ClassVar[str] = ""
+    options: ClassVar[dict[str, Any]] = {}
+    precision: ClassVar[str] = "32-true"
+    world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
+    resume_world_sizes: ClassVar[tuple[int, ...]] = (1, 3)
+    resume_with: ClassVar[tuple[str, int] | None] = ("cpu", 1)
+    workload: ClassVar[str] = "accelkit.testing.conformance:MLPWorkload"
+    plugin: ClassVar[str | None] = None
+    env: ClassVar[dict[str, str]] = {}
+    gpu: ClassVar[bool] = False
+    #: mark every case ``slow`` (a second configuration of a backend already represented)
+    slow: ClassVar[bool] = False
+    timeout: ClassVar[float] = 300
+    #: extra folders the ranks import ``plugin`` / ``workload`` from
+    path: ClassVar[tuple[str, ...]] = ()
+
+    # ---- parametrisation and marks -----------------------------------------------------------
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Each contract once per world size it concerns; multi-rank resumes are ``slow``."""
+        cls = type(self)
+        if not cls.backend:
+            raise TypeError(f"{cls.__name__}: set the class attribute 'backend'")
+        base = ([pytest.mark.gpu] if cls.gpu else []) + ([pytest.mark.slow] if cls.slow else [])
+        slow = [*base, pytest.mark.slow]
+        representative = self.representative_size()
+        if "world_size" in metafunc.fixturenames:
+            params = [
+                pytest.param(w, id=f"{w}rank", marks=base if w == representative else slow)
+                for w in cls.world_sizes
+            ]
+            metafunc.parametrize("world_size", params)
+        elif "resume_size" in metafunc.fixturenames:
+            saved_at = max(cls.world_sizes)
+            params = [
+                pytest.param(w, id=f"{saved_at}to{w}rank", marks=slow)
+                for w in cls.resume_world_sizes
+            ]
+            metafunc.parametrize("resume_size", params)
+        else:  # the probe rides on the representative run; a resume is a launch of its own
+            resumes = metafunc.function.__name__ == "test_cross_backend_resume"
+            marks = slow if resumes else base
+            metafunc.parametrize("one", [pytest.param(1, id=cls.backend, marks=marks)])
+
+    @classmethod
+    def representative_size(cls) -> int:
+        """The world size of the one launch in the default test run: the smallest multi-rank
+        one (a single process where the backend has no other)."""
+        return min((w for w in cls.world_sizes if w > 1), default=min(cls.world_sizes))
+
+    # ---- launches, once per class and key ----------------------------------------------------
+    def _launch(self, key: tuple, target: str, kwargs: dict[str, Any], nproc: int) -> list[Any]:
+        cls = type(self)
+        cache_key = (id(cls), *key)
+        if cache_key not in _CACHE:
+            try:
+                _CACHE[cache_key] = run_ranks(
+                    target,
+                    kwargs,
+                    nproc=nproc,
+                    timeout=cls.timeout,
+                    env=dict(cls.env),
+                    path=self._folders(),
+                )
+            except Exception as err:
+                _CACHE[cache_key] = err
+        result = _CACHE[cache_key]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _folders(self) -> list[str]:
+        """Where the ranks import the plugin and the workload from: ``path`` and the folders
+        this process finds their modules in."""
+        cls = type(self)
+        folders = list(cls.path)
+        for target in (cls.plugin, cls.workload):
+            if target:
+                module = target.partition(":")[0]
+                folders += _module_folders(f"{module}:_", ())
+        return list(dict.fromkeys(folders))
+
+    def _job(self, **kwargs: Any) -> dict[str, Any]:
+        cls = type(self)
+        return dict(
+            backend=cls.backend,
+            options=dict(cls.options),
+            precision=cls.precision,
+            workload=cls.workload,
+            plugin=cls.plugin,
+            **kwargs,
+        )
+
+    def _checkpoint(self) -> Path:
+        cls = type(self)
+        return _TMP / f"{cls.__qualname__}-{id(cls)}" / "ckpt"
+
+    def trained(self, world_size: int) -> list[dict[str, Any]]:
+        """The run at ``world_size``; the largest one also saves the checkpoint."""
+        save = world_size == max(type(self).world_sizes)
+        probe = world_size == self.representative_size()
+        job = self._job(save_to=str(self._checkpoint()) if save else None, probe=probe)
+        return self._launch(("train", world_size), f"{__name__}:train_job", job, world_size)
+
+    def resumed(self, world_size: int, backend: str | None = None) -> list[dict[str, Any]]:
+        saved = self._checkpoint()
+        self.trained(max(type(self).world_sizes))  # writes it
+        job = self._job(load_from=str(saved))
+        if backend is not None:  # a core backend continues the run
+            job.update(backend=backend, options={}, plugin=type(self).plugin)
+        else:
+            job["tampered"] = str(_tamper(saved, saved.parent / f"tampered-{world_size}"))
+        key = ("resume", backend or type(self).backend, world_size)
+        return self._launch(key, f"{__name__}:train_job", job, world_size)
+
+    def probe(self) -> dict[str, Any]:
+        """What rank 0 of the representative run found before it trained (one launch less)."""
+        return self.trained(self.representative_size())[0]["probe"]
+
+    def reference(self) -> dict[str, Any]:
+        key = ("reference", type(self).workload)
+        if key not in _CACHE:
+            _CACHE[key] = raw_reference(type(self).workload)
+        return _CACHE[key]
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        return TOLERANCES[type(self).precision or "32-true"]
+
+    # ---- the contracts -----------------------------------------------------------------------
+    def test_setup_returns_torch_optimizers(self, world_size: int) -> None:
+        for rank, result in enumerate(self.trained(world_size)):
+            assert result["optimizers"]["returned"], f"rank {rank}: {result['optimizers']}"
+            assert result["optimizers"]["backend"], (
+                f"rank {rank}: the backend's setup() returned a "
+                f"{result['optimizers']['types'][1]}, not a torch.optim.Optimizer"
+            )
+
+    def test_accumulation_and_clipping_match_a_raw_loop(self, world_size: int) -> None:
+        raw = self.reference()
+        assert min(raw["norms"]) > CLIP, "the reference never clipped: the check would be blind"
+        for rank, result in enumerate(self.trained(world_size)):
+            what = f"rank {rank} of {world_size}"
+            _close(result["losses"], raw["losses"], self.tolerance, f"{what}: losses")
+            _close(result["norms"], raw["norms"], self.tolerance, f"{what}: pre-clip norms")
+            _close_params(result["params"], raw["params"], self.tolerance, f"{what}: weights")
+
+    def test_grad_norm_is_a_device_tensor_without_host_sync(self, world_size: int) -> None:
+        for rank, result in enumerate(self.trained(world_size)):
+            assert len(result["norm_kinds"]) == STEPS
+            for kind, dim, device in result["norm_kinds"]:
+                assert (kind, dim) == ("Tensor", 0), f"rank {rank}: grad_norm is {kind} ({dim}-d)"
+                assert device == result["device"], f"rank {rank}: grad_norm on {device}"
+            if result["host_syncs_in_step"] is not None:
+                assert result["host_syncs_in_step"] == 0, (
+                    f"rank {rank}: {result['host_syncs_in_step']} host syncs in the steps "
+                    "that computed grad_norm"
+                )
+
+    def test_checkpoint_resumes_at_another_world_size(self, resume_size: int) -> None:
+        unbroken = self.trained(max(type(self).world_sizes))[0]
+        for rank, result in enumerate(self.resumed(resume_size)):
+            what = f"rank {rank} of {resume_size}, resumed"
+            _close(
+                result["losses"],
+                unbroken["losses"][SAVE_AT * ACCUMULATION :],
+                self.tolerance,
+                f"{what}: losses",
+            )
+            _close_params(result["params"], unbroken["params"], self.tolerance, f"{what}: weights")
+
+    def test_tampered_checkpoint_raises_checkpoint_error(self, resume_size: int) -> None:
+        for rank, result in enumerate(self.resumed(resume_size)):
+            assert result["tampered"] is not None, f"rank {rank}: a tampered checkpoint loaded"
+            assert result["tampered"][0] == "CheckpointError", f"rank {rank}: {result['tampered']}"
+
+    def test_cross_backend_resume(self, one: int) -> None:
+        if type(self).resume_with is None:
+            pytest.skip("no core backend continues this backend's run")
+        core, world = type(self).resume_with
+        unbroken = self.trained(max(type(self).world_sizes))[0]
+        for rank, result in enumerate(self.resumed(world, backend=core)):
+            what = f"{core} rank {rank} of {world}, resumed from {type(self).backend}"
+            _close(
+                result["losses"],
+                unbroken["losses"][SAVE_AT * ACCUMULATION :],
+                self.tolerance,
+                f"{what}: losses",
+            )
+            _close_params(result["params"], unbroken["params"], self.tolerance, f"{what}: weights")
+
+    def test_listing_backends_imports_no_backend_library(self, one: int) -> None:
+        probe = self.probe()
+        assert probe["listed"], f"{type(self).backend} is not among the registered names"
+        assert probe["imported"] == [], f"listing the backends imported {probe['imported']}"
+
+    def test_bad_input_is_a_clear_config_error(self, one: int) -> None:
+        probe = self.probe()
+        for key, needle in (("unknown_option", "no_such_option_kq"), ("unknown_precision", "fp33")):
+            assert probe[key] is not None, f"{key} was accepted"
+            name, bases, message = probe[key]
+            assert "ConfigError" in bases, f"{key}: {name}: {message}"
+            assert needle in message, f"{key}: the message does not name it: {message}"
+
+
+def _plugin_target(plugin: Any) -> tuple[str, tuple[str, ...]]:
+    """``"module:attribute"`` for a plugin object (a class or a module), and the folder to import
+    it from where it lives in a script (``__main__``: the script is imported by its file name,
+    so its ``if __name__ == "__main__":`` part does not run in the ranks)."""
+    if isinstance(plugin, str):
+        return plugin, ()
+    is_module = isinstance(plugin, type(sys))
+    module = plugin if is_module else sys.modules.get(getattr(plugin, "__module__", ""))
+    if module is None or not (is_module or isinstance(plugin, type)):
+        raise TypeError(f"plugin must be 'module:attribute', a class or a module, got {plugin!r}")
+    folders: tuple[str, ...] = ()
+    module_name = module.__name__
+    if module_name == "__main__":
+        script = Path(module.__file__).resolve()
+        module_name, folders = script.stem, (str(script.parent),)
+    return (module_name if is_module else f"{module_name}:{plugin.__qualname__}"), folders
+
+
+def backend_contract(backend: str, **attributes: Any) -> type[BackendContract]:
+    """A :class:`BackendContract` subclass for ``backend``; assign it to a ``Test...`` name.
+
+    ``plugin`` may be the plugin class itself (a backend registered in-process)."""
+    unknown = set(attributes) - set(BackendContract.__annotations__)
+    if unknown:
+        raise TypeError(f"backend_contract: unknown attributes {sorted(unknown)}")
+    if attributes.get("plugin") is not None:
+        target, folders = _plugin_target(attributes["plugin"])
+        attributes["plugin"] = target
+        attributes["path"] = (*attributes.get("path", ()), *folders)
+    name = "Test" + "".join(part.title() for part in backend.split("_")) + "Contract"
+    return type(name, (BackendContract,), {"backend": backend, **attributes})
+
+
+def check_backend(backend: str, **attributes: Any) -> list[str]:
+    """Run every contract of ``backend`` outside pytest (a script, a notebook, the docs): the
+    slow cases included. Returns the names of the contracts that held; raises
+    ``AssertionError`` naming every one that did not."""
+    contract = backend_contract(backend, **attributes)()
+    cls = type(contract)
+    cases: list[tuple[str, Any]] = []
+    for name in sorted(n for n in dir(cls) if n.startswith("test_")):
+        method = getattr(contract, name)
+        parameters = method.__code__.co_varnames[1 : method.__code__.co_argcount]
+        if "world_size" in parameters:
+            values: tuple[int, ...] = cls.world_sizes
+        elif "resume_size" in parameters:
+            values = cls.resume_world_sizes
+        else:
+            values = (1,)
+        cases += [(f"{name}[{value}]", lambda m=method, v=value: m(v)) for value in values]
+    held, failed = [], []
+    for case, run in cases:
+        try:
+            run()
+            held.append(case)
+        except pytest.skip.Exception:
+            pass
+        except AssertionError as err:
+            failed.append(f"{case}: {str(err)[:2000]}")
+    if failed:
+        raise AssertionError(f"{backend} broke {len(failed)} contracts:\n" + "\n".join(failed))
+    return held
