@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +29,20 @@ from accelkit.wrappers import (
     release_scheduler,
 )
 
+if TYPE_CHECKING:
+    from accelkit.preemption import StopSignal
+    from accelkit.tracking import Trackers
+
 log = logging.getLogger("accelkit")
+
+_UNADOPTED_SCHEDULER = (
+    "an LR scheduler was built on the optimizer that setup() returned, and accelkit no longer "
+    "adopts such a scheduler implicitly: it is not stepped by accel.step(). Hand it over once "
+    "after building it, `scheduler = accel.setup_scheduler(scheduler)` (or build it on the "
+    "original optimizer and pass `accel.setup(model, optimizer, scheduler=scheduler)`); accelkit "
+    "then steps it after every applied optimizer step and never on a skipped fp16 step. A loop "
+    "that steps the scheduler itself may keep doing so."
+)
 
 _EVERY_RANK = (
     "save() and load() are collective on every backend: call them on every rank, not under "
@@ -58,6 +72,12 @@ class Accelerator:
         self._active_loaders: list[AcceleratedDataLoader] = []
         self._last: StepResult = StepResult()
         self._applied_steps = 0
+        #: what :meth:`log` writes to; built by :meth:`init_trackers`, closed by :meth:`end_training`
+        self._trackers: Trackers | None = None
+        #: :meth:`log` before :meth:`init_trackers` warns once
+        self._warned_no_trackers = False
+        #: the stop-signal watcher behind :attr:`should_stop`, made at its first use
+        self._stop_signal: StopSignal | None = None
 
     # ---- what we run on -----------------------------------------------------------------------
     @property
@@ -163,10 +183,13 @@ class Accelerator:
         return wrapped if not outs else (wrapped, *outs)
 
     def setup_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer | None = None) -> Any:
-        """Have accelkit step ``scheduler`` after every applied step of ``optimizer``.
+        """Have accelkit step ``scheduler`` after every applied step of ``optimizer``; returns it.
 
-        Not needed for a torch LR scheduler built on an optimizer from :meth:`setup`: those are
-        adopted automatically. Use this for a scheduler that was built on the original optimizer.
+        The scheduler may be built on an optimizer :meth:`setup` returned or on the original one
+        (it is re-bound). From then on accelkit steps it once per applied optimizer step (never
+        on a step the fp16 loss scaler skipped), and the loop's own ``scheduler.step()`` is a
+        warned no-op. Hand over a composite (``SequentialLR``, ``ChainedScheduler``), not its
+        parts. ``optimizer`` is needed only when the scheduler's own does not tell.
         """
         if optimizer is None:
             target = getattr(scheduler, "optimizer", None)
@@ -185,6 +208,11 @@ class Accelerator:
         return scheduler
 
     def _adopt_scheduler(self, scheduler: Any, optimizer: AcceleratedOptimizer) -> None:
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "ReduceLROnPlateau steps on a metric, so accelkit cannot step it: keep calling "
+                "scheduler.step(metric) in your loop and do not hand it over"
+            )
         if is_composite_part(scheduler):
             return
         entries = self._schedulers.setdefault(id(optimizer), [])
@@ -192,9 +220,16 @@ class Accelerator:
             return
         # SequentialLR / ChainedScheduler step their parts themselves: step only the composite
         parts = getattr(scheduler, "_schedulers", None) or ()
+        adopted_parts = [p for p in parts if any(p is s for s, _ in entries)]
+        if adopted_parts:
+            # the composite's construction stepped its first part, a no-op under our guard
+            raise ConfigError(
+                f"{type(scheduler).__name__} is built on schedulers that were already handed to "
+                "accelkit; build the composite first and hand over only it: "
+                "accel.setup_scheduler(composite)"
+            )
         for part in parts:
             release_scheduler(part)
-        entries[:] = [(s, real) for s, real in entries if not any(s is p for p in parts)]
         entries.append((scheduler, guard_scheduler_step(scheduler)))
 
     def setup_dataloader(
@@ -219,9 +254,7 @@ class Accelerator:
             )
         wrapped = AcceleratedDataLoader(loader, sampler, self, move_to_device)
         self._loaders.append(wrapped)
-        hook = getattr(self.backend, "on_dataloader", None)
-        if hook is not None:
-            hook(wrapped)
+        self.backend.on_dataloader(wrapped)
         return wrapped
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -254,11 +287,9 @@ class Accelerator:
             model = self._models[0]
         # for backends that must know before backward whether it closes the window (an engine
         # that reduces gradients at its own accumulation boundary)
-        hook = getattr(self.backend, "before_backward", None)
-        if hook is not None:
-            windows = self._windows_of((model,) if model is not None else ())
-            closes = not windows or any(self._closes_next(w) for w in windows)
-            hook(model, closes_window=closes)
+        windows = self._windows_of((model,) if model is not None else ())
+        closes = not windows or any(self._closes_next(w) for w in windows)
+        self.backend.before_backward(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
 
     def _is_set_up(self, model: torch.nn.Module) -> bool:
@@ -322,9 +353,8 @@ class Accelerator:
             window.micro = 0
             self._apply(opt)
             applied = True
-        end_step = getattr(self.backend, "end_step", None)
-        if applied and end_step is not None:
-            end_step()
+        if applied:
+            self.backend.end_step()
         return applied
 
     def _apply(self, opt: AcceleratedOptimizer) -> None:
@@ -343,6 +373,9 @@ class Accelerator:
         if schedulers and not (result.found_inf is not None and bool(result.found_inf > 0)):
             for _, real_step in schedulers:
                 real_step()
+        elif not schedulers and opt.__dict__["_scheduler_built_on"]:
+            opt.__dict__["_scheduler_built_on"] = False  # once per optimizer
+            warnings.warn(_UNADOPTED_SCHEDULER, FutureWarning, stacklevel=3)
 
     def zero_grad(self, optimizer: AcceleratedOptimizer | None = None) -> None:
         """Zero gradients, except inside an open accumulation window (they are still needed)."""
@@ -602,12 +635,11 @@ class Accelerator:
 
     def end_training(self) -> None:
         """Close the trackers and give the stop signals back to their former handlers."""
-        trackers = self.__dict__.pop("_trackers", None)
+        trackers, self._trackers = self._trackers, None
         if trackers is not None:
             trackers.finish()
-        watcher = self.__dict__.get("_stop_signal")
-        if watcher is not None:
-            watcher.uninstall()
+        if self._stop_signal is not None:
+            self._stop_signal.uninstall()
 
     def teardown(self) -> None:
         self.backend.teardown()

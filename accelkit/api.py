@@ -40,10 +40,10 @@ def get(
     host = registry.host()
     spec = host.resolve(name)
     backend_cls = spec.load_class()
-    select = getattr(backend_cls, "select_backend", None)
-    if select is not None:  # "auto": a backend that picks another
+    other = backend_cls.select_backend()
+    if other is not None:  # "auto": a backend that picks another
         return get(
-            select(),
+            other,
             config,
             precision=precision,
             accumulation_steps=accumulation_steps,
@@ -71,12 +71,16 @@ def get(
     return Accelerator(backend)
 
 
-def describe(name: str) -> dict[str, Any]:
-    """Capabilities and dtype table of a backend, without building it (docs, ``accelkit env``)."""
+def describe(name: str, config: Any = None, **options: Any) -> dict[str, Any]:
+    """Capabilities and dtype table of backend ``name`` with ``config`` and ``options`` (as
+    :func:`get` takes them; the name's defaults when none), without building it (docs,
+    ``accelkit env``). The capabilities are the record ``accelkit.get(name, config, **options)``
+    runs with: both come from ``Backend.capabilities_for``."""
     spec = registry.host().resolve(name)
     cls = spec.load_class()
+    parsed = cls.parse_config(name, config, {**spec.defaults, **options})
     return {
         "name": name,
-        "capabilities": dataclasses.asdict(cls.capabilities),
+        "capabilities": dataclasses.asdict(cls.capabilities_for(parsed)),
         "dtypes": {k: dataclasses.asdict(v) for k, v in cls.dtype_table.items()},
     }

@@ -110,6 +110,8 @@ class NoOptions:
 
 @dataclass
 class SetupResult:
+    """What :meth:`Backend.setup` returns: the model to train and the torch optimizers."""
+
     model: torch.nn.Module
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
@@ -121,7 +123,9 @@ class Backend:
     :class:`~accelkit.precision.Precision` policy, so torch-native backends stay short.
     """
 
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: what this backend controls and supports. On the class: the answer for default options;
+    #: on an instance: :meth:`capabilities_for` its options (set by ``__init__``)
+    capabilities: Capabilities = Capabilities()
     options_class: ClassVar[type] = NoOptions
     #: precision string -> param/compute/master/reduce dtypes, published in docs
     dtype_table: ClassVar[dict[str, DtypeRow]] = NATIVE_DTYPES
@@ -131,6 +135,28 @@ class Backend:
     def parse_config(cls, name: str, config: Any, overrides: dict[str, Any]) -> Any:
         """Validate the user's config; backends with a native config format override this."""
         return build_options(cls.options_class, f"backend {name!r}", config, overrides)
+
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """Hook: the capabilities of this backend built with ``options``.
+
+        Runs in ``__init__`` (the running backend's ``capabilities``) and in
+        :func:`accelkit.describe` (which reports the same record without building anything), so
+        the two cannot disagree. Gets the parsed options (``parse_config``'s result); returns a
+        :class:`Capabilities`. Must not import the backend library. The default is the class
+        attribute ``capabilities``; a backend whose capabilities depend on its options (a ZeRO
+        stage, a tensor-parallel size) overrides this with ``dataclasses.replace``."""
+        return cls.capabilities
+
+    @classmethod
+    def select_backend(cls) -> str | None:
+        """Hook: the name of another backend to build instead of this one, or None.
+
+        Runs in :func:`accelkit.get` right after the class is loaded, before any option is
+        parsed. Gets nothing; a name makes ``get`` start over with that backend and the same
+        arguments (what ``auto`` does: ``ddp`` when launched on several processes, else the best
+        single device). The default, None, builds this backend."""
+        return None
 
     @classmethod
     def parse_precision(cls, name: str, precision: str | int | None) -> str | None:
@@ -145,10 +171,11 @@ class Backend:
         32-true. Backends with a native config also reconcile accumulation and clipping here
         (a disagreement is an error)."""
         resolved = settings.precision or "32-true"
-        if resolved not in cls.capabilities.precisions:
+        supported = cls.capabilities_for(options).precisions
+        if resolved not in supported:
             raise ConfigError(
                 f"backend {name!r} does not support precision {resolved!r}; "
-                f"supported: {', '.join(cls.capabilities.precisions)}"
+                f"supported: {', '.join(supported)}"
             )
         return dataclasses.replace(settings, precision=resolved)
 
@@ -156,6 +183,7 @@ class Backend:
         self.name = name
         self.options = options
         self.settings = settings
+        self.capabilities = type(self).capabilities_for(options)
         self.precision: Precision = Precision()
         self._device = torch.device("cpu")
 
@@ -207,9 +235,7 @@ class Backend:
         """Context in which the user builds the model."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.device)
-        init_context = getattr(self.precision, "init_context", None)
-        if init_context is not None:
-            stack.enter_context(init_context())
+        stack.enter_context(self.precision.init_context())
         return stack
 
     def setup(
@@ -226,6 +252,16 @@ class Backend:
 
     def convert_output(self, data: Any) -> Any:
         return self.precision.convert_output(data)
+
+    def before_backward(self, model: torch.nn.Module | None, *, closes_window: bool) -> None:
+        """Hook: learn, before each backward, whether it closes the accumulation window.
+
+        Runs in ``Accelerator.backward()`` before :meth:`backward`, on every micro-batch. Gets the
+        set-up model the loss came from (None when several are set up and none was named) and
+        ``closes_window``: True when the next ``step()`` applies the optimizer step. Returns
+        nothing. For an engine with its own accumulation boundary (DeepSpeed) or a wrapper that
+        must decide on gradient sync before backward (FairScale FSDP); the default does nothing.
+        """
 
     def backward(self, loss: torch.Tensor, model: torch.nn.Module | None, **kwargs: Any) -> None:
         self.precision.scale_loss(loss).backward(**kwargs)
@@ -285,11 +321,13 @@ class Backend:
         optimizer.zero_grad(set_to_none=True)
 
     def end_step(self) -> None:
-        """After every optimizer whose window closed in one ``Accelerator.step()`` has stepped:
-        update the loss scale once for all of them."""
-        flush = getattr(self.precision, "flush_update", None)
-        if flush is not None:
-            flush()
+        """Hook: finish one ``Accelerator.step()`` that closed at least one window.
+
+        Runs once per such ``step()``, after every optimizer whose window closed has stepped
+        (never when no window closed). Gets nothing; returns nothing. The default applies the
+        loss-scale update once for all of them (torch's ``scaler.step(a); scaler.step(b);
+        scaler.update()``)."""
+        self.precision.flush_update()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's own module inside whatever wrapper the backend added."""
@@ -298,6 +336,13 @@ class Backend:
             while hasattr(inner, attr) and isinstance(getattr(inner, attr), torch.nn.Module):
                 inner = getattr(inner, attr)
         return inner
+
+    def on_dataloader(self, loader: Any) -> None:
+        """Hook: see each loader ``Accelerator.setup_dataloader()`` returns.
+
+        Runs once per ``setup_dataloader()`` call, after the loader was sharded and wrapped. Gets
+        the :class:`~accelkit.data.AcceleratedDataLoader`; returns nothing (DeepSpeed reads its
+        micro-batch size from it). The default does nothing."""
 
     # ---- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

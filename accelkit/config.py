@@ -48,6 +48,7 @@ def load_config_source(config: Any) -> dict[str, Any]:
 
 
 def closest(name: str, candidates: typing.Iterable[str]) -> str | None:
+    """The candidate nearest to a misspelt ``name``, for a "did you mean" in an error; or None."""
     match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return match[0] if match else None
 
@@ -113,4 +114,5 @@ def build_options(options_cls: type, owner: str, config: Any, overrides: dict[st
 
 
 def options_as_dict(options: Any) -> dict[str, Any]:
+    """An options dataclass (or mapping) as a plain dict, for a native config or a report."""
     return dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options)

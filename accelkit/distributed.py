@@ -23,6 +23,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 def is_initialized() -> bool:
+    """Whether the default process group exists (False where torch.distributed is absent)."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -64,6 +65,7 @@ def launched_world_size() -> int:
 
 
 def local_rank() -> int:
+    """This process's rank on its node, from torchrun's ``LOCAL_RANK`` or SLURM's ``SLURM_LOCALID``."""
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     return int(os.environ.get("SLURM_LOCALID", "0"))

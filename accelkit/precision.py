@@ -41,6 +41,7 @@ def normalize_precision(precision: str | int | None) -> str | None:
 
 
 def low_dtype(precision: str) -> torch.dtype:
+    """The 16-bit dtype of a precision string: bfloat16 for ``bf16-*``, else float16."""
     return torch.bfloat16 if precision.startswith("bf16") else torch.float16
 
 
@@ -66,17 +67,21 @@ NATIVE_DTYPES: dict[str, DtypeRow] = {
 }
 
 
-def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
+def cast_floats(data: Any, dtype: torch.dtype) -> Any:
     """Cast floating-point tensors in nested containers to ``dtype``; leave the rest alone."""
     if isinstance(data, torch.Tensor):
         return data.to(dtype) if torch.is_floating_point(data) and data.dtype != dtype else data
     if isinstance(data, dict):
-        return type(data)((k, _cast_floats(v, dtype)) for k, v in data.items())
+        return type(data)((k, cast_floats(v, dtype)) for k, v in data.items())
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_cast_floats(v, dtype) for v in data))
+        return type(data)(*(cast_floats(v, dtype) for v in data))
     if isinstance(data, (list, tuple)):
-        return type(data)(_cast_floats(v, dtype) for v in data)
+        return type(data)(cast_floats(v, dtype) for v in data)
     return data
+
+
+#: the former private name, kept for code that imported it
+_cast_floats = cast_floats
 
 
 class Precision:
@@ -94,10 +99,10 @@ class Precision:
         return contextlib.nullcontext()
 
     def convert_input(self, data: Any) -> Any:
-        return data if self.input_dtype is None else _cast_floats(data, self.input_dtype)
+        return data if self.input_dtype is None else cast_floats(data, self.input_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return data if self.input_dtype is None else _cast_floats(data, torch.float32)
+        return data if self.input_dtype is None else cast_floats(data, torch.float32)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -117,6 +122,11 @@ class Precision:
 
     def flush_update(self) -> None:
         """Apply a loss-scale update that waited for the other optimizers of the same step."""
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """Context in which ``init_module()`` builds the model (a ``-true`` policy sets the
+        default dtype there); nothing by default."""
+        return contextlib.nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -148,7 +158,7 @@ class MixedPrecision(Precision):
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return _cast_floats(data, torch.float32)
+        return cast_floats(data, torch.float32)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:

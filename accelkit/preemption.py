@@ -175,10 +175,9 @@ class StopSignal:
 # ---- the Accelerator's side ----------------------------------------------------------------------
 def watcher_of(accel: Accelerator, *, install: bool = True) -> StopSignal:
     """The accelerator's :class:`StopSignal`, created with the default signals on first use."""
-    watcher = accel.__dict__.get("_stop_signal")
+    watcher = accel._stop_signal
     if watcher is None:
-        watcher = StopSignal()
-        accel.__dict__["_stop_signal"] = watcher
+        watcher = accel._stop_signal = StopSignal()
     if install and not watcher.installed:
         watcher.install()
     return watcher
@@ -191,14 +190,14 @@ def stop_on_signals(
     check_every: int = 1,
 ) -> StopSignal:
     """Install (or replace) the accelerator's signal handlers; ``signals=()`` installs none."""
-    old = accel.__dict__.get("_stop_signal")
+    old = accel._stop_signal
     if old is not None:
         old.uninstall()
     watcher = StopSignal(DEFAULT_SIGNALS if signals is None else signals, check_every=check_every)
     if old is not None:  # a stop already on its way is not lost by reconfiguring
         watcher.received, watcher.requested = old.received, old.requested
     watcher.install()
-    accel.__dict__["_stop_signal"] = watcher
+    accel._stop_signal = watcher
     return watcher
 
 

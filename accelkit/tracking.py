@@ -228,7 +228,7 @@ def init_trackers(
     tracker_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Trackers:
     """Build the named trackers (or take tracker objects) on rank 0; replaces earlier ones."""
-    old = accel.__dict__.get("_trackers")
+    old = accel._trackers
     if old is not None:
         old.finish()
     tracker_kwargs = dict(tracker_kwargs or {})
@@ -259,17 +259,17 @@ def init_trackers(
                     item.log_hparams(dict(config))
                 built.append(item)
     result = Trackers(built, path)
-    accel.__dict__["_trackers"] = result
+    accel._trackers = result
     return result
 
 
 def log_metrics(accel: Accelerator, metrics: Mapping[str, Any], step: int | None) -> None:
     if not accel.is_main:
         return
-    trackers = accel.__dict__.get("_trackers")
+    trackers = accel._trackers
     if trackers is None:
-        if not accel.__dict__.get("_warned_no_trackers"):
-            accel.__dict__["_warned_no_trackers"] = True
+        if not accel._warned_no_trackers:
+            accel._warned_no_trackers = True
             log.warning("accel.log(): no trackers; call accel.init_trackers(directory) first")
         return
     if step is None:

@@ -4,15 +4,13 @@ a real ``torch.optim.Optimizer`` whose ``step``/``zero_grad`` go through the Acc
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import sys
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler
 
 from accelkit.errors import UnsupportedError
 
@@ -50,7 +48,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     ``step()`` is :meth:`Accelerator.step` for this optimizer: it applies only when the
     accumulation window closes. ``zero_grad()`` does nothing inside an open window. An LR
-    scheduler built on this optimizer is adopted: accelkit steps it after each applied step.
+    scheduler built on this optimizer is stepped by accelkit after each applied step once it is
+    handed over: ``accel.setup_scheduler(scheduler)``.
     """
 
     def __init__(
@@ -60,7 +59,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.__dict__["_optimizer"] = optimizer
         self.__dict__["_accelerator"] = accelerator
         self.__dict__["_model"] = model
-        self.__dict__["_schedulers"] = []
+        #: torch built an LR scheduler on this optimizer (it wraps ``step`` to track calls);
+        #: read by the Accelerator to warn when that scheduler was not handed over
+        self.__dict__["_scheduler_built_on"] = False
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -69,13 +70,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        # An LR scheduler reads param_groups in its __init__: adopt it there. torch marks our
-        # step only for the first scheduler (see __setattr__), so this catches every other one
-        # (several schedulers on one optimizer, SequentialLR and ChainedScheduler).
-        if sys._getframe(1).f_code.co_name in _SCHEDULER_INIT_READERS:
-            scheduler = _constructing_scheduler()
-            if scheduler is not None:
-                self.__dict__["_accelerator"]._adopt_scheduler(scheduler, self)
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -122,9 +116,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "step" and getattr(value, "_wrapped_by_lr_sched", False):
-            scheduler = _constructing_scheduler()
-            if scheduler is not None:
-                self.__dict__["_accelerator"]._adopt_scheduler(scheduler, self)
+            self.__dict__["_scheduler_built_on"] = True  # an LRScheduler.__init__ on us
         object.__setattr__(self, name, value)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,26 +124,6 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"
-
-
-#: the functions through which torch's LR schedulers read ``param_groups`` while constructed
-_SCHEDULER_INIT_READERS = frozenset({"__init__", "_param_groups_val_list"})
-
-
-def _constructing_scheduler() -> LRScheduler | None:
-    """The LRScheduler whose ``__init__`` is patching our ``step`` (torch does that on purpose)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(6):
-            frame = frame.f_back if frame else None
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, LRScheduler) and not isinstance(candidate, ReduceLROnPlateau):
-                return candidate
-        return None
-    finally:
-        del frame
 
 
 def mark_step_tracked(optimizer: AcceleratedOptimizer) -> None:
@@ -173,28 +145,6 @@ def mark_step_tracked(optimizer: AcceleratedOptimizer) -> None:
     object.__setattr__(optimizer, "step", tracked)
 
 
-def _called_during_construction(scheduler: Any) -> bool:
-    """Whether this call comes from the scheduler's own ``__init__`` (torch's initial step).
-
-    Not ``_step_count == 0``: CosineAnnealingWarmRestarts, SequentialLR and ChainedScheduler
-    override ``step`` without counting, so every later call would look initial too.
-    """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(12):
-            frame = frame.f_back if frame else None
-            if frame is None:
-                return False
-            if (
-                frame.f_code.co_name in ("__init__", "_initial_step")
-                and frame.f_locals.get("self") is scheduler
-            ):
-                return True
-        return False
-    finally:
-        del frame
-
-
 #: schedulers that a composite (SequentialLR, ChainedScheduler) steps; accelkit leaves them be
 _COMPOSITE_PARTS: weakref.WeakSet = weakref.WeakSet()
 #: what :func:`guard_scheduler_step` puts on a scheduler; kept out of its state_dict
@@ -213,15 +163,15 @@ def release_scheduler(scheduler: Any) -> None:
 
 
 def guard_scheduler_step(scheduler: LRScheduler) -> Any:
-    """Make a user's own ``scheduler.step()`` a warned no-op; return the real step for accelkit."""
+    """Make a user's own ``scheduler.step()`` a warned no-op; return the real step for accelkit.
+
+    Installed on a scheduler already built (adoption is explicit), so no call of its own
+    construction can land here."""
     real_step = scheduler.step
     warned = []
 
     @functools.wraps(real_step)
     def step(*args: Any, **kwargs: Any) -> None:
-        if _called_during_construction(scheduler):
-            real_step(*args, **kwargs)
-            return
         if not warned:
             warned.append(True)
             warnings.warn(

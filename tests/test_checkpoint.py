@@ -34,7 +34,7 @@ def _setup(accel, *, seed: int = 0):
     model = ref.Net()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ref.LR)
     model, opt = accel.setup(model, opt)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+    sched = accel.setup_scheduler(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20))
     loader = accel.setup_dataloader(
         DataLoader(ref.Samples(), batch_size=ref.GLOBAL_BATCH, shuffle=True)
     )

@@ -60,7 +60,9 @@ def test_setup_rejects_a_non_optimizer_and_a_second_setup():
 
 def test_scheduler_is_stepped_once_per_applied_step_only():
     accel, model, optimizer = tiny_setup(accumulation=3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    )
     applied = []
     for i in range(8):
         micro_batch(accel, model, seed=i)
@@ -74,7 +76,9 @@ def test_scheduler_is_stepped_once_per_applied_step_only():
 
 def test_optimizer_step_is_the_accelerator_step():
     accel, model, optimizer = tiny_setup(accumulation=2)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    )
     before = model.weight.detach().clone()
     micro_batch(accel, model)
     optimizer.step()  # inside the window: nothing is applied
@@ -91,7 +95,9 @@ def test_optimizer_step_is_the_accelerator_step():
 
 def test_users_own_scheduler_step_warns_and_is_ignored():
     accel, model, optimizer = tiny_setup()
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    )
     micro_batch(accel, model)
     accel.step()
     assert optimizer.param_groups[0]["lr"] == 0.5
@@ -107,7 +113,7 @@ def test_users_own_scheduler_step_warns_and_is_ignored():
 def test_no_scheduler_order_warning_from_torch():
     """torch warns when scheduler.step() precedes optimizer.step(); accelkit's order is right."""
     accel, model, optimizer = tiny_setup()
-    torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for i in range(3):
@@ -170,6 +176,8 @@ def test_composite_and_several_schedulers_follow_torch(name):
     model = torch.nn.Linear(3, 2)
     model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     made = SCHEDULES[name](optimizer)
+    for scheduler in made if isinstance(made, list) else [made]:
+        accel.setup_scheduler(scheduler)
     lrs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -198,7 +206,7 @@ def test_scheduler_state_dict_is_torchs_and_saves(name, tmp_path):
     raw_keys = set(make(torch.optim.SGD(raw_model.parameters(), lr=1.0)).state_dict())
 
     accel, model, optimizer = tiny_setup()
-    scheduler = make(optimizer)
+    scheduler = accel.setup_scheduler(make(optimizer))
     for i in range(2):
         micro_batch(accel, model, seed=i)
         accel.step()
@@ -207,7 +215,7 @@ def test_scheduler_state_dict_is_torchs_and_saves(name, tmp_path):
     lr = optimizer.param_groups[0]["lr"]
 
     accel2, model2, optimizer2 = tiny_setup()
-    resumed = make(optimizer2)
+    resumed = accel2.setup_scheduler(make(optimizer2))
     resumed.load_state_dict(torch.load(tmp_path / "sched.pt", weights_only=False))
     optimizer2.param_groups[0]["lr"] = lr
     with pytest.warns(UserWarning, match="ignored"):
@@ -224,11 +232,50 @@ def test_plateau_scheduler_is_left_to_the_user():
     """ReduceLROnPlateau needs a metric, so accelkit does not adopt it; its step() works."""
     accel, model, optimizer = tiny_setup()
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
-    for i in range(3):
-        micro_batch(accel, model, seed=i)
-        accel.step()
-        plateau.step(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not taken for a scheduler left unhanded
+        for i in range(3):
+            micro_batch(accel, model, seed=i)
+            accel.step()
+            plateau.step(1.0)
     assert optimizer.param_groups[0]["lr"] < 1.0
+    with pytest.raises(accelkit.ConfigError, match=r"scheduler\.step\(metric\)"):
+        accel.setup_scheduler(plateau)
+
+
+def test_a_scheduler_not_handed_over_is_not_stepped_and_says_what_to_write():
+    """accelkit no longer adopts a scheduler by watching its construction: one built on the
+    set-up optimizer and not handed over is the loop's to step, and the first applied step
+    says (once) how to hand it over."""
+    accel, model, optimizer = tiny_setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    micro_batch(accel, model)
+    with pytest.warns(FutureWarning, match=r"accel\.setup_scheduler\(scheduler\)"):
+        accel.step()
+    assert scheduler.last_epoch == 0 and optimizer.param_groups[0]["lr"] == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once, and the loop's own step() is a real step
+        micro_batch(accel, model, seed=1)
+        accel.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    accel.setup_scheduler(scheduler)  # handed over late: stepped from here on
+    micro_batch(accel, model, seed=2)
+    accel.step()
+    assert optimizer.param_groups[0]["lr"] == 0.25
+
+
+def test_a_composite_over_schedulers_already_handed_over_is_refused():
+    """SequentialLR steps its first part while it is built; that step would be a no-op on a
+    part accelkit already guards, so the composite must be the one handed over."""
+    accel, _model, optimizer = tiny_setup()
+    warmup = accel.setup_scheduler(torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, total_iters=2))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the guarded part's step at construction, ignored
+        both = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[2])
+    with pytest.raises(accelkit.ConfigError, match="hand over only it"):
+        accel.setup_scheduler(both)
 
 
 @pytest.mark.parametrize("zero_grad_at", ["top", "bottom"])
@@ -272,8 +319,8 @@ def test_two_optimizers_step_independently():
     opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
     opt_b = torch.optim.SGD(model[1].parameters(), lr=0.1)
     model, opt_a, opt_b = accel.setup(model, opt_a, opt_b)
-    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
-    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=1, gamma=0.5)
+    sched_a = accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5))
+    sched_b = accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt_b, step_size=1, gamma=0.5))
     w_a, w_b = model[0].weight.detach().clone(), model[1].weight.detach().clone()
     for _i in range(2):
         accel.backward(model(torch.randn(2, 3)).pow(2).mean())

@@ -18,6 +18,8 @@ from accelkit.precision import check_device_supports, native_precision
 
 @dataclass
 class DDPOptions:
+    """Options of ``ddp`` (and of backends built on :class:`DDPBackend`)."""
+
     #: "auto" takes CUDA when present, else the CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: seconds before a collective gives up (a dead rank makes the others fail, not hang)

@@ -33,7 +33,7 @@ from accelkit.modules import apply_activation_checkpointing, compile_in_place, s
 from accelkit.precision import (
     DtypeRow,
     MixedPrecision,
-    _cast_floats,
+    cast_floats,
     check_device_supports,
     low_dtype,
 )
@@ -143,7 +143,7 @@ class FSDPPrecision(MixedPrecision):
         return module.to(self.dtype) if self.dtype is not None and not self.mixed else module
 
     def convert_output(self, data: Any) -> Any:
-        return data if self.dtype is None else _cast_floats(data, torch.float32)
+        return data if self.dtype is None else cast_floats(data, torch.float32)
 
     @contextlib.contextmanager
     def init_context(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ class SingleDeviceOptions:
 
 
 def device_available(device_type: str) -> bool:
+    """Whether a device of ``device_type`` ("cpu", "cuda", "mps") is usable in this process."""
     if device_type == "cuda":
         return torch.cuda.is_available()
     if device_type == "mps":
@@ -84,8 +85,8 @@ class SingleDeviceBackend(Backend):
 class AutoBackend(Backend):
     """Picks ``ddp`` when launched on several processes, else ``cuda``, ``mps`` or ``cpu``."""
 
-    @staticmethod
-    def select_backend() -> str:
+    @classmethod
+    def select_backend(cls) -> str:
         if distributed.launched_world_size() > 1:
             return "ddp"
         for device_type in ("cuda", "mps"):

@@ -380,6 +380,8 @@ NATIVE_SPEED = {
 
 
 def optimizer_terms(options: dict[str, Any]) -> tuple[int, str]:
+    """(states per trainable parameter, "fused" or "foreach" temporaries) of
+    ``options["optimizer"]`` (default ``adamw``), from :data:`OPTIMIZERS`; unknown names raise."""
     name = options.get("optimizer", "adamw")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}: one of {', '.join(OPTIMIZERS)}")

@@ -284,7 +284,7 @@ def _family(osd: dict[str, Any]) -> str:
     return "unknown"
 
 
-def _positional_names(
+def positional_names(
     module_state: dict[str, torch.Tensor], osd: dict[str, Any]
 ) -> list[str] | None:
     """Names for a torch optimizer's integer parameter ids (id k is the k-th parameter of its
@@ -339,6 +339,10 @@ def _positional_names(
     if left is None or left != rightmost():
         return None
     return [candidates[j] for j in left]
+
+
+#: the former private name, kept for code that imported it
+_positional_names = positional_names
 
 
 def optimizer_import(
@@ -407,7 +411,7 @@ def _from_mapping(checkpoint: dict[str, Any], source: str, strip_prefix: str | N
             if modules and any(
                 isinstance(p, int) for g in value["param_groups"] for p in g["params"]
             ):
-                names = _positional_names(modules[model_name], value)
+                names = positional_names(modules[model_name], value)
                 if names is None:
                     log.warning(
                         "%s: optimizer %r not imported: its integer parameter ids cannot be "

@@ -106,6 +106,8 @@ def is_stateful(obj: Any) -> bool:
 
 
 def classify_state(state: dict[str, Any]) -> StateObjects:
+    """Sort the objects of a save/load ``state`` dict into modules, optimizers, loaders,
+    stateful objects and plain extras (what the checkpoint writes each of)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of name -> object, got {type(state).__name__}")
     out = StateObjects()

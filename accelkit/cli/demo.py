@@ -181,7 +181,9 @@ def build(args: argparse.Namespace, dataset: Any, total_steps: int, init_seed: i
         torch.utils.data.DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True)
     )
     model, optimizer = accel.setup(model, optimizer)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    )
     return Run(accel, model, optimizer, scheduler, loader)
 
 

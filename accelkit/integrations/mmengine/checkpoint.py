@@ -324,8 +324,8 @@ def load_full_state_dict(
 
     from accelkit.checkpoint.convert import (
         Imported,
-        _positional_names,
         optimizer_import,
+        positional_names,
         write_portable,
     )
     from accelkit.checkpoint.fqn import canonical_fqn
@@ -344,7 +344,7 @@ def load_full_state_dict(
         ids = [p for group in optimizer_state["param_groups"] for p in group["params"]]
         if any(isinstance(p, int) for p in ids):
             plain = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-            names = _positional_names(plain, optimizer_state)
+            names = positional_names(plain, optimizer_state)
             if names is None:
                 raise CheckpointError(
                     "the checkpoint's optimizer state cannot be matched to the model's "

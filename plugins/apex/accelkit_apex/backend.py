@@ -15,12 +15,18 @@ from typing import Any
 
 import torch
 
-from accelkit.backend import Capabilities, SetupResult
-from accelkit.backends.single import SingleDeviceBackend
-from accelkit.config import load_config_source
-from accelkit.errors import ConfigError
-from accelkit.modules import compile_in_place
-from accelkit.precision import NATIVE_DTYPES, DtypeRow, check_device_supports, native_precision
+from accelkit.sdk import (
+    NATIVE_DTYPES,
+    Capabilities,
+    ConfigError,
+    DtypeRow,
+    SetupResult,
+    SingleDeviceBackend,
+    check_device_supports,
+    compile_in_place,
+    load_config_source,
+    native_precision,
+)
 from accelkit_apex import checkpoint
 from accelkit_apex.probe import import_apex
 from accelkit_apex.swap import NormSwap, fused_twin, swap_norms
@@ -123,7 +129,7 @@ APEX_DTYPES: dict[str, DtypeRow] = {
 
 def cuda_device(backend: str, index: int | None) -> torch.device:
     """The CUDA device a backend runs on; a clear error where there is none."""
-    from accelkit import distributed
+    from accelkit.sdk import local_rank
 
     if not torch.cuda.is_available():
         raise ConfigError(
@@ -133,7 +139,7 @@ def cuda_device(backend: str, index: int | None) -> torch.device:
             "torch.cuda.is_available() is False here. On the CPU use 'cpu' with torch's own "
             "optimizer (AdamW(fused=True) is torch's fused kernel on a GPU)"
         )
-    index = distributed.local_rank() if index is None else index
+    index = local_rank() if index is None else index
     if index >= torch.cuda.device_count():
         raise ConfigError(
             f"device_index {index} out of range: {torch.cuda.device_count()} CUDA devices"

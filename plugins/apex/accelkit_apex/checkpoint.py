@@ -26,17 +26,19 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.fragments import dense_fragments, load_dense_fragments
-from accelkit.checkpoint.sharded import (
+from accelkit.sdk import (
     MASTER,
     OPTIM_PREFIX,
     Fragment,
     ObjectInfo,
     Slot,
+    UnsupportedError,
     check_shape,
     classify_state,
+    decode,
+    dense_fragments,
     group_scalar,
+    load_dense_fragments,
     load_param_states,
     new_state,
     optimizer_info,
@@ -48,7 +50,6 @@ from accelkit.checkpoint.sharded import (
     scalar_tensor,
     state_like,
 )
-from accelkit.errors import UnsupportedError
 
 #: Apex optimizers that keep ``step`` in each param group
 GROUP_STEP_CLASSES = ("FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedMixedPrecisionLamb")
@@ -216,11 +217,7 @@ def distributed_adam_fragments(
 
 def backend_optimizers(backend: Any, extra: Any) -> list[Any]:
     """The backend's DistributedFusedAdam instances and ``extra``, each once."""
-    out: list[Any] = []
-    for opt in [*getattr(backend, "_optimizers", []), *extra]:
-        if all(opt is not o for o in out):
-            out.append(opt)
-    return out
+    return list({id(opt): opt for opt in [*getattr(backend, "_optimizers", []), *extra]}.values())
 
 
 @torch.no_grad()

@@ -30,10 +30,18 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 
-from accelkit import distributed
-from accelkit.backend import Capabilities, SetupResult, StepResult
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.precision import DtypeRow, check_device_supports, native_precision
+from accelkit.sdk import (
+    DEFAULT_TIMEOUT_S,
+    Capabilities,
+    ConfigError,
+    DtypeRow,
+    SetupResult,
+    StepResult,
+    UnsupportedError,
+    check_device_supports,
+    init_process_group,
+    native_precision,
+)
 from accelkit_apex import checkpoint
 from accelkit_apex.backend import ApexBackend, cuda_device
 from accelkit_apex.probe import import_apex
@@ -45,7 +53,7 @@ _SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 @dataclass
 class DistributedAdamOptions:
     #: seconds before a collective gives up
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_TIMEOUT_S
     #: gradient bucket size (DistributedFusedAdam's default: 100)
     bucket_cap_mb: float = 100.0
     #: reduce-scatter buckets during backward, as they fill
@@ -114,7 +122,7 @@ class DistributedAdamBackend(ApexBackend):
 
         self._dfa_class = DistributedFusedAdam
         check_device_supports(self.settings.precision, self._device)
-        distributed.init_process_group(self._device, self.options.timeout)
+        init_process_group(self._device, self.options.timeout)
         self.precision = native_precision(self.settings.precision, self._device.type)
 
     def setup(

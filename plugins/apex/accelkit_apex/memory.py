@@ -38,7 +38,7 @@ ALIGN_BYTES = 128
 def option_values(backend: str, given: dict[str, Any]) -> dict[str, Any]:
     """The backend's options as ``accelkit.get`` validates them (defaults, types; an unknown
     name is a ConfigError naming the closest valid one), as a dict."""
-    from accelkit.config import build_options, options_as_dict
+    from accelkit.sdk import build_options, options_as_dict
 
     if backend == "apex":
         from accelkit_apex.backend import ApexOptions as cls
@@ -59,12 +59,7 @@ def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> An
 
 
 def _apex(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> Any:
-    from accelkit.benchmark.memory import (
-        LOW_PRECISIONS,
-        estimate_single_or_ddp,
-        optimizer_terms,
-        trace_kind,
-    )
+    from accelkit.sdk import LOW_PRECISIONS, estimate_single_or_ddp, optimizer_terms, trace_kind
 
     if not o["fused_optimizer"]:
         result = estimate_single_or_ddp(stats, options, distributed=False)
@@ -107,7 +102,7 @@ def _apex(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> 
 
 
 def _distributed_adam(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> Any:
-    from accelkit.benchmark.memory import LOW_PRECISIONS, optimizer_terms, trace_kind
+    from accelkit.sdk import LOW_PRECISIONS, optimizer_terms, trace_kind
 
     states, _ = optimizer_terms(options)
     if states != 2 or not options.get("optimizer", "adamw").startswith("adamw"):

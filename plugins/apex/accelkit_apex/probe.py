@@ -20,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from accelkit.errors import PluginMissingError
+from accelkit.sdk import PluginMissingError
 
 DOCS = "docs/backends/apex.md"
 #: what to do when apex is missing (the registry prints it)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accelkit.errors import ConfigError
+from accelkit.sdk import ConfigError
 
 log = logging.getLogger("accelkit")
 

@@ -27,16 +27,22 @@ from typing import Any, ClassVar
 
 import torch
 
-from accelkit import distributed
-from accelkit.backend import Backend, Capabilities, Settings, SetupResult, StepResult
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.modules import apply_activation_checkpointing
-from accelkit.precision import (
+from accelkit.sdk import (
     NATIVE_DTYPES,
     PRECISIONS,
+    Backend,
+    Capabilities,
+    ConfigError,
     Precision,
-    _cast_floats,
+    Settings,
+    SetupResult,
+    StepResult,
+    UnsupportedError,
+    apply_activation_checkpointing,
+    cast_floats,
     check_device_supports,
+    init_process_group,
+    local_rank,
     low_dtype,
     native_precision,
 )
@@ -68,7 +74,7 @@ class PluginPrecision(Precision):
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return _cast_floats(data, torch.float32) if self.cast_output else data
+        return cast_floats(data, torch.float32) if self.cast_output else data
 
 
 class ColossalAIBackend(Backend):
@@ -97,16 +103,12 @@ class ColossalAIBackend(Backend):
 
     def __init__(self, name: str, options: Any, settings: Settings) -> None:
         super().__init__(name, options, settings)
-        self.capabilities = self.instance_capabilities()
         self.plugin: Any = None
         self.booster: Any = None
         self.model: Any = None
         #: ColossalAI's optimizer wrapper (LowLevelZeroOptimizer, GeminiOptimizer, ...)
         self.optimizer: Any = None
         self._warned_sync = False
-
-    def instance_capabilities(self) -> Capabilities:
-        return type(self).capabilities
 
     # ---- launch -------------------------------------------------------------------------------
     def launch(self) -> None:
@@ -120,7 +122,7 @@ class ColossalAIBackend(Backend):
                 "accelerator whenever CUDA is present, so the CPU cannot be forced here"
             )
         if cuda:
-            index = distributed.local_rank()
+            index = local_rank()
             torch.cuda.set_device(index)
             self._device = torch.device("cuda", index)
         else:
@@ -129,7 +131,7 @@ class ColossalAIBackend(Backend):
             raise ConfigError(f"{self.name} needs a CUDA GPU: {self.cpu_refusal()}")
         check_device_supports(self.settings.precision or "32-true", self._device)
         self.check_device(self._device)
-        distributed.init_process_group(self._device, self.options.timeout)
+        init_process_group(self._device, self.options.timeout)
         if self._device.type == "cpu":
             from accelkit_colossalai import cpu_shim
 
@@ -434,9 +436,10 @@ class ColossalZeroBackend(ColossalAIBackend):
     options_class = opts.ZeroOptions
     dtype_table = opts.ZERO_DTYPES
 
-    def instance_capabilities(self) -> Capabilities:
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
         # LowLevelZeroPlugin.support_no_sync(): stage 1 only
-        return dataclasses.replace(type(self).capabilities, no_sync=self.options.stage == 1)
+        return dataclasses.replace(cls.capabilities, no_sync=options.stage == 1)
 
     def check_device(self, device: torch.device) -> None:
         if device.type != "cpu":
@@ -618,14 +621,15 @@ class ColossalHybridBackend(ColossalAIBackend):
                 f"{settings.precision!r}"
             )
 
-    def instance_capabilities(self) -> Capabilities:
-        zero = self.options.zero_stage
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        zero = options.zero_stage
         return dataclasses.replace(
-            type(self).capabilities,
+            cls.capabilities,
             no_sync=zero != 2,
-            sharded=zero > 0 or self.options.tp_size > 1,
+            sharded=zero > 0 or options.tp_size > 1,
             # tensor-parallel layouts are refused by the portable checkpoint (checkpoint.py)
-            portable_checkpoint=self.options.tp_size == 1,
+            portable_checkpoint=options.tp_size == 1,
         )
 
     def check_device(self, device: torch.device) -> None:

@@ -26,25 +26,30 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import decode, encode
-from accelkit.checkpoint.fqn import canonical_fqn, module_tensors
-from accelkit.checkpoint.fragments import load_dense_fragments
-from accelkit.checkpoint.sharded import (
+from accelkit.sdk import (
     BUFFER,
+    DTYPES_BY_NAME,
     MASTER,
     OPTIM_PREFIX,
     PARAM,
+    CheckpointError,
     Fragment,
     Layout,
     ObjectInfo,
     ReplicaPlanner,
     Slot,
+    UnsupportedError,
+    canonical_fqn,
     classify_state,
+    decode,
+    encode,
     fill_tensor,
     held_objects,
+    load_dense_fragments,
     load_slot_states,
     match_module_entries,
     module_info,
+    module_tensors,
     optimizer_info,
     optimizer_load,
     optimizer_slot_fragments,
@@ -53,7 +58,6 @@ from accelkit.checkpoint.sharded import (
     sharded_fragments,
     weights_entry,
 )
-from accelkit.errors import CheckpointError, UnsupportedError
 
 
 def layout_of(backend: Any) -> Layout:
@@ -202,8 +206,6 @@ def _load_optimizer(
     layout: Layout,
     owners: dict[int, tuple[str, str]],
 ) -> None:
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
-
     by_master = layout.by_flat()
     params = [
         [getattr(by_master.get(id(m)), "param", m) for m in g["params"]] for g in opt.param_groups

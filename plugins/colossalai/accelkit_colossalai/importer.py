@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.convert import Imported, optimizer_import, write_portable
-from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.errors import CheckpointError
+from accelkit.sdk import CheckpointError, Imported, canonical_fqn, optimizer_import, write_portable
 
 MODEL_INDEXES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 OPTIM_INDEX = "pytorch_optim.bin.index.json"

@@ -70,7 +70,7 @@ OFFLOAD_SPEED = 3.0
 def option_values(backend: str, given: dict[str, Any]) -> dict[str, Any]:
     """The backend's options as ``accelkit.get`` validates them (defaults, types; an unknown
     name is a ConfigError naming the closest valid one: a typo must not pass as a default)."""
-    from accelkit.config import build_options, options_as_dict
+    from accelkit.sdk import build_options, options_as_dict
 
     return options_as_dict(build_options(BACKENDS[backend][0], f"backend {backend!r}", None, given))
 
@@ -106,7 +106,7 @@ def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> An
 
 # ---- shared terms -----------------------------------------------------------------------------
 def _common(stats: dict[str, Any], options: dict[str, Any]) -> tuple[int, int, int, int, str]:
-    from accelkit.benchmark.memory import LOW_PRECISIONS, optimizer_terms
+    from accelkit.sdk import LOW_PRECISIONS, optimizer_terms
 
     states, temporaries = optimizer_terms(options)
     s = 2 if options["precision"] in LOW_PRECISIONS else 4
@@ -154,7 +154,7 @@ def _finish(result: dict[str, Any], speed: float, note: str) -> dict[str, Any]:
 
 # ---- colossalai_ddp -----------------------------------------------------------------------------
 def _ddp(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
-    from accelkit.benchmark.memory import trace_kind
+    from accelkit.sdk import trace_kind
 
     N, s, k, foreach, precision = _common(stats, options)
     P, T = stats["params"], stats["trainable_params"]
@@ -236,7 +236,7 @@ def _low_level_zero(
 
 
 def _zero(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
-    from accelkit.benchmark.memory import trace_kind
+    from accelkit.sdk import trace_kind
 
     N, s, k, foreach, precision = _common(stats, options)
     stage = int(o["stage"])
@@ -286,7 +286,7 @@ def _zero(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> 
 
 # ---- colossalai_gemini --------------------------------------------------------------------------
 def _gemini(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> Any:
-    from accelkit.benchmark.memory import OPTIMIZERS
+    from accelkit.sdk import OPTIMIZERS
 
     if OPTIMIZERS[options.get("optimizer", "adamw")][0] != 2:
         return None  # Gemini steps only HybridAdam / CPUAdam / FusedAdam (Adam-like: 2 states)
@@ -382,7 +382,7 @@ def _gemini(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -
 
 # ---- colossalai_hybrid --------------------------------------------------------------------------
 def _hybrid(stats: dict[str, Any], options: dict[str, Any], o: dict[str, Any]) -> dict[str, Any]:
-    from accelkit.benchmark.memory import trace_kind
+    from accelkit.sdk import trace_kind
 
     N, s, k, foreach, precision = _common(stats, options)
     tp = max(1, int(o["tp_size"]))  # pp_size > 1 is refused, as at accelkit.get

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from accelkit import distributed
-from accelkit.precision import DtypeRow
+from accelkit.sdk import DEFAULT_TIMEOUT_S, DtypeRow
 
 #: plugin arguments accelkit sets itself
 OWNED_KWARGS = frozenset(
@@ -25,7 +24,7 @@ class CommonOptions:
     #: "auto" takes CUDA when present, else the CPU (TorchDDP and LowLevelZero only)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: seconds before a collective gives up
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_TIMEOUT_S
     #: further keyword arguments for the ColossalAI plugin's constructor
     plugin_kwargs: dict[str, Any] = field(default_factory=dict)
 

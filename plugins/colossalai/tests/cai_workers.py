@@ -386,7 +386,9 @@ def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
         )
         net = _model()
         model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=LR))
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        scheduler = accel.setup_scheduler(
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        )
         loader = accel.setup_dataloader(
             torch.utils.data.DataLoader(_data(), batch_size=BATCH, shuffle=False), shuffle=False
         )

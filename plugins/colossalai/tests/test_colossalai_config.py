@@ -128,7 +128,7 @@ def test_zero_on_one_process_trains_and_refuses_manual_clipping():
     net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
     model, opt = accel.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     assert isinstance(opt, torch.optim.Optimizer)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched = accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
     before = [p.detach().clone() for p in accel.unwrap(model).parameters()]
     for _ in range(4):  # 2 windows of 2
         loss = model(torch.randn(4, 3)).pow(2).mean()

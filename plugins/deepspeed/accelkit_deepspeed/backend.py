@@ -34,11 +34,21 @@ from typing import Any
 
 import torch
 
-from accelkit import distributed
-from accelkit.backend import Backend, Capabilities, Settings, SetupResult, StepResult
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.modules import apply_activation_checkpointing
-from accelkit.precision import Precision, low_dtype
+from accelkit.sdk import (
+    Backend,
+    Capabilities,
+    ConfigError,
+    Precision,
+    Settings,
+    SetupResult,
+    StepResult,
+    UnsupportedError,
+    apply_activation_checkpointing,
+    cast_floats,
+    init_process_group,
+    local_rank,
+    low_dtype,
+)
 from accelkit_deepspeed import config as dsconfig
 from accelkit_deepspeed import zero_init
 
@@ -48,19 +58,6 @@ DEPRECATED_COLLECTIVES = (
 )
 
 log = logging.getLogger("accelkit")
-
-
-def _cast_floats(data: Any, dtype: torch.dtype) -> Any:
-    """Floating-point tensors in nested containers cast to ``dtype``; everything else as is."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if torch.is_floating_point(data) and data.dtype != dtype else data
-    if isinstance(data, dict):
-        return type(data)((k, _cast_floats(v, dtype)) for k, v in data.items())
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
-        return type(data)(*(_cast_floats(v, dtype) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_cast_floats(v, dtype) for v in data)
-    return data
 
 
 class EnginePrecision(Precision):
@@ -76,10 +73,10 @@ class EnginePrecision(Precision):
         self.cast_output = precision != "32-true"
 
     def convert_input(self, data: Any) -> Any:
-        return _cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
+        return cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
 
     def convert_output(self, data: Any) -> Any:
-        return _cast_floats(data, torch.float32) if self.cast_output else data
+        return cast_floats(data, torch.float32) if self.cast_output else data
 
 
 @dataclasses.dataclass
@@ -126,15 +123,19 @@ class DeepSpeedBackend(Backend):
             settings, precision=precision, accumulation_steps=steps, max_grad_norm=max_norm
         )
 
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        stage = dsconfig.zero_stage(options)
+        return dataclasses.replace(
+            cls.capabilities,
+            sharded=stage >= 1,
+            init_context="zero.Init" if stage == 3 else "device",
+        )
+
     def __init__(self, name: str, options: Any, settings: Settings) -> None:
         super().__init__(name, options, settings)
         self.stage = dsconfig.zero_stage(options)
         offload_optimizer, offload_param = dsconfig.offload_devices(options)
-        self.capabilities = dataclasses.replace(
-            type(self).capabilities,
-            sharded=self.stage >= 1,
-            init_context="zero.Init" if self.stage == 3 else "device",
-        )
         self.offloads = (offload_optimizer, offload_param)
         self.precision = EnginePrecision(settings.precision or "32-true")
         self._records: list[_EngineRecord] = []  # one per setup(), in setup order
@@ -200,7 +201,7 @@ class DeepSpeedBackend(Backend):
             raise ConfigError(f"{self.name}: device='cuda' but no CUDA device is available")
         use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
         if use_cuda:
-            index = distributed.local_rank()
+            index = local_rank()
             torch.cuda.set_device(index)
             self._device = torch.device("cuda", index)
         else:
@@ -219,7 +220,7 @@ class DeepSpeedBackend(Backend):
         self._check_precision_supported(accelerator)
         if self._device.type == "cpu" and not self.options.cpu_shm_comm:
             _skip_shm_comm_build()
-        distributed.init_process_group(self._device, self.options.timeout)
+        init_process_group(self._device, self.options.timeout)
         deepspeed.init_distributed(
             dist_backend=accelerator.communication_backend_name(),
             timeout=datetime.timedelta(seconds=self.options.timeout),

@@ -34,41 +34,42 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.fqn import module_tensors, user_module
-from accelkit.checkpoint.fragments import load_dense_fragments
-from accelkit.checkpoint.sharded import (
+from accelkit.sdk import (
     PARAM,
+    CheckpointError,
     Fragment,
     Layout,
     ObjectInfo,
     ReplicaPlanner,
     Slot,
+    UnsupportedError,
+    agree,
     check_shape,
+    decode,
     fill_tensor,
     group_scalar,
     held_objects,
+    load_dense_fragments,
     load_slot_states,
     match_module_entries,
+    module_tensors,
     optimizer_load,
     optimizer_slot_fragments,
     param_owners,
     put_scalar,
     read_slot,
     sharded_fragments,
+    user_module,
     weights_entry,
 )
-from accelkit.checkpoint.writer import agree
-from accelkit.errors import CheckpointError, UnsupportedError
 
 log = logging.getLogger("accelkit")
 
 
 def _z3_range(param: Any) -> tuple[int, int]:
     """(start, count) of the flattened ZeRO-3 parameter this rank's ``ds_tensor`` holds."""
-    import torch.distributed as dist
-
     group = getattr(param, "ds_process_group", None)
     rank = dist.get_rank(group=group) if dist.is_initialized() else 0
     size = int(param.ds_tensor.ds_numel)

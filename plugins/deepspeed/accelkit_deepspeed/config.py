@@ -18,9 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from accelkit.config import build_options, closest, load_config_source
-from accelkit.errors import ConfigError
-from accelkit.precision import DtypeRow
+from accelkit.sdk import ConfigError, DtypeRow, build_options, closest, load_config_source
 
 #: Top-level keys of a DeepSpeed config: any of them marks a config as native.
 NATIVE_KEYS = frozenset(

@@ -30,10 +30,7 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import drop_callables
-from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.checkpoint.fragments import param_group_hyperparams
-from accelkit.errors import CheckpointError
+from accelkit.sdk import CheckpointError, canonical_fqn, drop_callables, param_group_hyperparams
 
 log = logging.getLogger("accelkit")
 
@@ -80,7 +77,7 @@ class DeepSpeedImporter:
         progress: bool | None = None,
         tag: str | None = None,
     ) -> Path:
-        from accelkit.checkpoint.convert import write_portable
+        from accelkit.sdk import write_portable
 
         if not trust_pickle:
             raise CheckpointError(f"{path} {PICKLE_HINT}")
@@ -126,7 +123,7 @@ def _name(name: str, strip_prefix: str | None) -> str:
 
 def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
     """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.convert.Imported`."""
-    from accelkit.checkpoint.convert import Imported
+    from accelkit.sdk import Imported
 
     optim_files = _files(folder, _OPTIM)
     model3_files = _files(folder, _MODEL3)
@@ -226,7 +223,7 @@ class _Address:
 
 def _lazy(shape: tuple[int, ...], pieces: Any) -> Any:
     """A LazyTensor that concatenates ``pieces()`` (1-D) and reshapes when written."""
-    from accelkit.checkpoint.safetensors_io import LazyTensor
+    from accelkit.sdk import LazyTensor
 
     def fetch() -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in pieces()])[: math.prod(shape)].reshape(shape)
@@ -392,7 +389,7 @@ def _stage3(
 
 def _joined(shape: tuple[int, ...], parts: list[torch.Tensor]) -> Any:
     """A frozen ZeRO-3 parameter: the ranks' padded partitions, joined and cut to its shape."""
-    from accelkit.checkpoint.safetensors_io import LazyTensor
+    from accelkit.sdk import LazyTensor
 
     def fetch() -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in parts])[: math.prod(shape)].reshape(shape)
@@ -409,7 +406,7 @@ def _stage0(
     objects: dict[str, dict[str, Any]],
     strip_prefix: str | None,
 ) -> None:
-    from accelkit.checkpoint.convert import _positional_names, optimizer_import
+    from accelkit.sdk import optimizer_import, positional_names
 
     weights = {k: v for k, v in module.items() if k not in buffers}
     for key, value in weights.items():
@@ -420,7 +417,7 @@ def _stage0(
     osd = saved.get("optimizer_state_dict", saved)
     if not (isinstance(osd, dict) and "state" in osd and "param_groups" in osd):
         return
-    names = _positional_names(weights, osd)
+    names = positional_names(weights, osd)
     if names is None:
         log.warning(
             "the ZeRO-0 optimizer's parameter ids cannot be matched to the module's names "

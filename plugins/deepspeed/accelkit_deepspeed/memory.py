@@ -40,7 +40,7 @@ OFFLOAD_SPEED = (3.0, "optimizer step on the CPU; traffic over PCIe every step")
 
 
 def _states(options: dict[str, Any]) -> int:
-    from accelkit.benchmark.memory import optimizer_terms
+    from accelkit.sdk import optimizer_terms
 
     return optimizer_terms(options)[0]
 

@@ -16,10 +16,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from accelkit.checkpoint.codec import drop_callables
-from accelkit.checkpoint.fqn import user_module
-from accelkit.checkpoint.fragments import classify_state
-from accelkit.errors import CheckpointError, UnsupportedError
+from accelkit.sdk import (
+    CheckpointError,
+    UnsupportedError,
+    classify_state,
+    drop_callables,
+    user_module,
+)
 
 CLIENT_KEY = "accelkit"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from accelkit.errors import UnsupportedError
+from accelkit.sdk import UnsupportedError
 
 #: in-place tensor methods that change no values
 _HARMLESS_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad", "record_stream"})

@@ -65,7 +65,9 @@ def train(s: dict[str, Any]) -> dict[str, Any]:
     else:
         model = Net()
     model, opt = accel.setup(model, optimizer(s["optimizer"], model.parameters()))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step))
+    scheduler = accel.setup_scheduler(
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.5 * step))
+    )
     assert scheduler is not None
     losses, norms, lrs, skipped, micro_index = [], [], [], [], 0
     for _ in range(s["epochs"]):

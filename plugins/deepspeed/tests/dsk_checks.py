@@ -112,7 +112,7 @@ def behaviour() -> dict[str, Any]:
 
     # 2. the returned optimizer: a torch Optimizer; a torch scheduler changes DeepSpeed's lr
     out["is_optimizer"] = isinstance(opt2, torch.optim.Optimizer)
-    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    sched = accel2.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5))
     x, y = torch.randn(4, 8), torch.randn(4, 3)
     accel2.backward(F.mse_loss(model2(x), y))
     opt2.step()

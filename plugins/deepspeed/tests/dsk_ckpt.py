@@ -101,7 +101,9 @@ def train(
     model, opt = accel.setup(model, opt)
     state = {"model": model, "optimizer": opt, "step": 0}
     if not constant_lr:  # dsk_rawckpt's raw DeepSpeed run keeps its learning rate constant
-        state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+        state["scheduler"] = accel.setup_scheduler(
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+        )
     result: dict[str, Any] = {"losses": [], "world": world}
     engine = getattr(accel.backend, "engine", None)
     if engine is not None:  # which of DeepSpeed's optimizer wrappers this run exercises

@@ -27,21 +27,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.checkpoint.fragments import dense_fragments, load_dense_fragments
-from accelkit.checkpoint.sharded import (
+from accelkit.sdk import (
     BUFFER,
     PARAM,
+    CheckpointError,
     Fragment,
     ObjectInfo,
     ReplicaPlanner,
     Slot,
+    canonical_fqn,
     check_shape,
     classify_state,
+    decode,
+    dense_fragments,
     fill_tensor,
     group_scalar,
+    load_dense_fragments,
     load_param_states,
     load_slot_states,
     match_module_entries,
@@ -58,7 +61,6 @@ from accelkit.checkpoint.sharded import (
     tensor_fragments,
     weights_entry,
 )
-from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
 
@@ -88,8 +90,6 @@ def oss_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | Ob
 def _oss_optimizer_fragments(
     backend: Any, name: str, oss: Any, owners: dict[int, tuple[str, str]]
 ) -> Iterator[Fragment | ObjectInfo]:
-    import torch.distributed as dist
-
     group_names, primary = param_group_names([g["params"] for g in oss.param_groups], owners)
     planner = ReplicaPlanner(backend.rank, backend.world_size)
     scalar_state: dict[str, Any] = {}

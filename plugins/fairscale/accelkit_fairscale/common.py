@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.precision import MixedPrecision
+from accelkit.sdk import ConfigError, MixedPrecision, UnsupportedError
 
 
 class ShardedMixedPrecision(MixedPrecision):

@@ -28,12 +28,23 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from accelkit import distributed
-from accelkit.backend import Backend, Capabilities, SetupResult, StepResult
-from accelkit.backends.single import device_available
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.modules import select_blocks
-from accelkit.precision import DtypeRow, Precision, check_device_supports, low_dtype
+from accelkit.sdk import (
+    DEFAULT_TIMEOUT_S,
+    Backend,
+    Capabilities,
+    ConfigError,
+    DtypeRow,
+    Precision,
+    SetupResult,
+    StepResult,
+    UnsupportedError,
+    check_device_supports,
+    device_available,
+    init_process_group,
+    local_rank,
+    low_dtype,
+    select_blocks,
+)
 from accelkit_fairscale.common import ShardedMixedPrecision, fresh_groups
 
 log = logging.getLogger("accelkit")
@@ -73,7 +84,7 @@ class FairScaleFSDPOptions:
     #: "auto" takes CUDA when present; "cpu" only where FairScale can run without CUDA streams
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_TIMEOUT_S
     #: which submodules become their own (nested) FSDP unit before the root: True = the
     #: children of the outermost ModuleList/Sequential stacks; classes, class names or a
     #: predicate; False = the root only
@@ -195,7 +206,7 @@ class FairScaleFSDPBackend(Backend):
             raise ConfigError("fairscale_fsdp: device='cuda' but no CUDA device is available here")
         use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
         if use_cuda:
-            index = distributed.local_rank()
+            index = local_rank()
             torch.cuda.set_device(index)
             self._device = torch.device("cuda", index)
         else:
@@ -207,7 +218,7 @@ class FairScaleFSDPBackend(Backend):
                 )
         precision = self.settings.precision
         check_device_supports(precision, self._device)
-        distributed.init_process_group(self._device, self.options.timeout)
+        init_process_group(self._device, self.options.timeout)
         if precision == "32-true":
             self.precision = Precision()
         else:

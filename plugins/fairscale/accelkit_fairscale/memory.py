@@ -22,12 +22,7 @@ SPEED = {
 
 
 def estimate(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:
-    from accelkit.benchmark.memory import (
-        LOW_PRECISIONS,
-        estimate_fsdp,
-        optimizer_terms,
-        trace_kind,
-    )
+    from accelkit.sdk import LOW_PRECISIONS, estimate_fsdp, optimizer_terms, trace_kind
 
     if backend not in SPEED or options.get("device_type", "cuda") != "cuda":
         return None

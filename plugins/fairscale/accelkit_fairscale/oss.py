@@ -16,11 +16,17 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from accelkit import distributed
-from accelkit.backend import Capabilities, SetupResult
-from accelkit.backends.ddp import DDPBackend, DDPOptions
-from accelkit.errors import ConfigError, UnsupportedError
-from accelkit.precision import NATIVE_DTYPES, DtypeRow
+from accelkit.sdk import (
+    DEFAULT_TIMEOUT_S,
+    NATIVE_DTYPES,
+    Capabilities,
+    ConfigError,
+    DDPBackend,
+    DDPOptions,
+    DtypeRow,
+    SetupResult,
+    UnsupportedError,
+)
 from accelkit_fairscale.common import (
     ShardedMixedPrecision,
     fresh_groups,
@@ -151,7 +157,7 @@ class ShardedDDPOptions:
     #: "auto" takes CUDA when present, else the CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_TIMEOUT_S
     #: broadcast buffers (batch-norm statistics) from rank 0 before each synced forward
     broadcast_buffers: bool = True
     #: elements per gradient bucket. 0 (accelkit's default; FairScale's is 2**23) reduces each

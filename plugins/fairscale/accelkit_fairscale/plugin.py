@@ -6,7 +6,7 @@ from importlib import metadata
 from typing import Any
 
 import accelkit
-from accelkit.registry import pip_install
+from accelkit.sdk import pip_install
 
 #: the plugin is installed (this module runs), so only its library can be missing
 _INSTALL = pip_install("fairscale==0.4.13")

@@ -1,0 +1,373 @@
+"""The stable door for backend authors: every core name a backend plugin may build on.
+
+A plugin (``plugins/*/accelkit_*``) imports from here and from ``accelkit`` only, never from
+``accelkit.<module>``: core modules may move and rename their insides, and this module keeps its
+names (a test, tests/test_sdk.py, fails on any other import). :data:`SDK_VERSION` changes its
+major number when a name here is removed or changes meaning, its minor one when names are added.
+
+The groups:
+
+- the backend protocol: :class:`Backend` (its hooks are documented where they are declared),
+  :class:`Capabilities`, :class:`Settings`, :class:`SetupResult`, :class:`StepResult`, and the
+  torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend`);
+- launch: :func:`init_process_group`, :func:`local_rank`, :func:`is_initialized`,
+  :data:`DEFAULT_TIMEOUT_S`;
+- options: :func:`build_options`, :func:`options_as_dict`, :func:`load_config_source`,
+  :func:`closest`, :func:`pip_install`;
+- precision policies and dtype tables: :class:`Precision`, :class:`MixedPrecision`,
+  :class:`DtypeRow`, :func:`cast_floats`, ...;
+- module transforms: :func:`apply_activation_checkpointing`, :func:`compile_in_place`,
+  :func:`select_blocks`;
+- the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
+  layouts and the loaders of :mod:`accelkit.checkpoint.sharded`, the codec, names, and the
+  foreign-format import helpers of ``accelkit convert``;
+- memory estimates (``accelkit plan``): :func:`optimizer_terms`, :func:`trace_kind`, ...;
+- errors and :data:`hookimpl`.
+
+Importing this module is cheap: names load from their modules on first access, and none of them
+imports a backend library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: major.minor: the major number changes when a name is removed or changes meaning
+SDK_VERSION = "1.0"
+
+#: name -> the core module that defines it (loaded on first access)
+_SOURCES: dict[str, str] = {
+    # the backend protocol
+    "Backend": "accelkit.backend",
+    "Capabilities": "accelkit.backend",
+    "Settings": "accelkit.backend",
+    "SetupResult": "accelkit.backend",
+    "StepResult": "accelkit.backend",
+    "NoOptions": "accelkit.backend",
+    "SingleDeviceBackend": "accelkit.backends.single",
+    "device_available": "accelkit.backends.single",
+    "DDPBackend": "accelkit.backends.ddp",
+    "DDPOptions": "accelkit.backends.ddp",
+    "hookimpl": "accelkit.hookspecs",
+    # launch
+    "DEFAULT_TIMEOUT_S": "accelkit.distributed",
+    "init_process_group": "accelkit.distributed",
+    "is_initialized": "accelkit.distributed",
+    "local_rank": "accelkit.distributed",
+    # options
+    "build_options": "accelkit.config",
+    "closest": "accelkit.config",
+    "load_config_source": "accelkit.config",
+    "options_as_dict": "accelkit.config",
+    "pip_install": "accelkit.registry",
+    # precision
+    "DtypeRow": "accelkit.precision",
+    "MixedPrecision": "accelkit.precision",
+    "NATIVE_DTYPES": "accelkit.precision",
+    "PRECISIONS": "accelkit.precision",
+    "Precision": "accelkit.precision",
+    "cast_floats": "accelkit.precision",
+    "check_device_supports": "accelkit.precision",
+    "low_dtype": "accelkit.precision",
+    "native_precision": "accelkit.precision",
+    # module transforms
+    "apply_activation_checkpointing": "accelkit.modules",
+    "compile_in_place": "accelkit.modules",
+    "select_blocks": "accelkit.modules",
+    # the checkpoint kit
+    "BUFFER": "accelkit.checkpoint.sharded",
+    "Fragment": "accelkit.checkpoint.sharded",
+    "Layout": "accelkit.checkpoint.sharded",
+    "MASTER": "accelkit.checkpoint.sharded",
+    "OPTIM_PREFIX": "accelkit.checkpoint.sharded",
+    "ObjectInfo": "accelkit.checkpoint.sharded",
+    "PARAM": "accelkit.checkpoint.sharded",
+    "ReplicaPlanner": "accelkit.checkpoint.sharded",
+    "Slot": "accelkit.checkpoint.sharded",
+    "check_shape": "accelkit.checkpoint.sharded",
+    "classify_state": "accelkit.checkpoint.sharded",
+    "fill_tensor": "accelkit.checkpoint.sharded",
+    "group_scalar": "accelkit.checkpoint.sharded",
+    "held_objects": "accelkit.checkpoint.sharded",
+    "load_param_states": "accelkit.checkpoint.sharded",
+    "load_slot_states": "accelkit.checkpoint.sharded",
+    "match_module_entries": "accelkit.checkpoint.sharded",
+    "module_info": "accelkit.checkpoint.sharded",
+    "new_state": "accelkit.checkpoint.sharded",
+    "optimizer_info": "accelkit.checkpoint.sharded",
+    "optimizer_load": "accelkit.checkpoint.sharded",
+    "optimizer_slot_fragments": "accelkit.checkpoint.sharded",
+    "param_group_names": "accelkit.checkpoint.sharded",
+    "param_owners": "accelkit.checkpoint.sharded",
+    "param_state_fragments": "accelkit.checkpoint.sharded",
+    "put_scalar": "accelkit.checkpoint.sharded",
+    "ranged_fragments": "accelkit.checkpoint.sharded",
+    "read_slot": "accelkit.checkpoint.sharded",
+    "scalar_tensor": "accelkit.checkpoint.sharded",
+    "sharded_fragments": "accelkit.checkpoint.sharded",
+    "slot_state_fragments": "accelkit.checkpoint.sharded",
+    "state_like": "accelkit.checkpoint.sharded",
+    "tensor_fragments": "accelkit.checkpoint.sharded",
+    "weights_entry": "accelkit.checkpoint.sharded",
+    "ModuleEntry": "accelkit.checkpoint.sharded",
+    "OptimizerLoad": "accelkit.checkpoint.sharded",
+    "Unsharded": "accelkit.checkpoint.sharded",
+    "load_param_groups": "accelkit.checkpoint.sharded",
+    "module_fragments": "accelkit.checkpoint.sharded",
+    "qualname": "accelkit.checkpoint.sharded",
+    "slot_fragments": "accelkit.checkpoint.sharded",
+    "dense_fragments": "accelkit.checkpoint.fragments",
+    "load_dense_fragments": "accelkit.checkpoint.fragments",
+    "param_group_hyperparams": "accelkit.checkpoint.fragments",
+    "decode": "accelkit.checkpoint.codec",
+    "drop_callables": "accelkit.checkpoint.codec",
+    "encode": "accelkit.checkpoint.codec",
+    "canonical_fqn": "accelkit.checkpoint.fqn",
+    "module_tensors": "accelkit.checkpoint.fqn",
+    "user_module": "accelkit.checkpoint.fqn",
+    "agree": "accelkit.checkpoint.writer",
+    "DTYPES_BY_NAME": "accelkit.checkpoint.safetensors_io",
+    "LazyTensor": "accelkit.checkpoint.safetensors_io",
+    # foreign checkpoint formats (accelkit convert)
+    "Imported": "accelkit.checkpoint.convert",
+    "optimizer_import": "accelkit.checkpoint.convert",
+    "positional_names": "accelkit.checkpoint.convert",
+    "write_portable": "accelkit.checkpoint.convert",
+    # memory estimates (accelkit plan)
+    "LOW_PRECISIONS": "accelkit.benchmark.memory",
+    "OPTIMIZERS": "accelkit.benchmark.memory",
+    "estimate_fsdp": "accelkit.benchmark.memory",
+    "estimate_single_or_ddp": "accelkit.benchmark.memory",
+    "optimizer_terms": "accelkit.benchmark.memory",
+    "trace_kind": "accelkit.benchmark.memory",
+    # errors
+    "AccelkitError": "accelkit.errors",
+    "BackendNotFoundError": "accelkit.errors",
+    "CheckpointError": "accelkit.errors",
+    "ConfigError": "accelkit.errors",
+    "DistributedError": "accelkit.errors",
+    "PluginMissingError": "accelkit.errors",
+    "UnsupportedError": "accelkit.errors",
+}
+
+__all__ = [
+    "SDK_VERSION",
+    "Backend",
+    "Capabilities",
+    "Settings",
+    "SetupResult",
+    "StepResult",
+    "NoOptions",
+    "SingleDeviceBackend",
+    "device_available",
+    "DDPBackend",
+    "DDPOptions",
+    "hookimpl",
+    "DEFAULT_TIMEOUT_S",
+    "init_process_group",
+    "is_initialized",
+    "local_rank",
+    "build_options",
+    "closest",
+    "load_config_source",
+    "options_as_dict",
+    "pip_install",
+    "DtypeRow",
+    "MixedPrecision",
+    "NATIVE_DTYPES",
+    "PRECISIONS",
+    "Precision",
+    "cast_floats",
+    "check_device_supports",
+    "low_dtype",
+    "native_precision",
+    "apply_activation_checkpointing",
+    "compile_in_place",
+    "select_blocks",
+    "BUFFER",
+    "Fragment",
+    "Layout",
+    "MASTER",
+    "OPTIM_PREFIX",
+    "ObjectInfo",
+    "PARAM",
+    "ReplicaPlanner",
+    "Slot",
+    "check_shape",
+    "classify_state",
+    "fill_tensor",
+    "group_scalar",
+    "held_objects",
+    "load_param_states",
+    "load_slot_states",
+    "match_module_entries",
+    "module_info",
+    "new_state",
+    "optimizer_info",
+    "optimizer_load",
+    "optimizer_slot_fragments",
+    "param_group_names",
+    "param_owners",
+    "param_state_fragments",
+    "put_scalar",
+    "ranged_fragments",
+    "read_slot",
+    "scalar_tensor",
+    "sharded_fragments",
+    "slot_state_fragments",
+    "state_like",
+    "tensor_fragments",
+    "weights_entry",
+    "ModuleEntry",
+    "OptimizerLoad",
+    "Unsharded",
+    "load_param_groups",
+    "module_fragments",
+    "qualname",
+    "slot_fragments",
+    "dense_fragments",
+    "load_dense_fragments",
+    "param_group_hyperparams",
+    "decode",
+    "drop_callables",
+    "encode",
+    "canonical_fqn",
+    "module_tensors",
+    "user_module",
+    "agree",
+    "DTYPES_BY_NAME",
+    "LazyTensor",
+    "Imported",
+    "optimizer_import",
+    "positional_names",
+    "write_portable",
+    "LOW_PRECISIONS",
+    "OPTIMIZERS",
+    "estimate_fsdp",
+    "estimate_single_or_ddp",
+    "optimizer_terms",
+    "trace_kind",
+    "AccelkitError",
+    "BackendNotFoundError",
+    "CheckpointError",
+    "ConfigError",
+    "DistributedError",
+    "PluginMissingError",
+    "UnsupportedError",
+]
+
+if TYPE_CHECKING:
+    from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
+    from accelkit.backends.ddp import DDPBackend, DDPOptions
+    from accelkit.backends.single import SingleDeviceBackend, device_available
+    from accelkit.benchmark.memory import (
+        LOW_PRECISIONS,
+        OPTIMIZERS,
+        estimate_fsdp,
+        estimate_single_or_ddp,
+        optimizer_terms,
+        trace_kind,
+    )
+    from accelkit.checkpoint.codec import decode, drop_callables, encode
+    from accelkit.checkpoint.convert import (
+        Imported,
+        optimizer_import,
+        positional_names,
+        write_portable,
+    )
+    from accelkit.checkpoint.fqn import canonical_fqn, module_tensors, user_module
+    from accelkit.checkpoint.fragments import (
+        dense_fragments,
+        load_dense_fragments,
+        param_group_hyperparams,
+    )
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME, LazyTensor
+    from accelkit.checkpoint.sharded import (
+        BUFFER,
+        MASTER,
+        OPTIM_PREFIX,
+        PARAM,
+        Fragment,
+        Layout,
+        ModuleEntry,
+        ObjectInfo,
+        OptimizerLoad,
+        ReplicaPlanner,
+        Slot,
+        Unsharded,
+        check_shape,
+        classify_state,
+        fill_tensor,
+        group_scalar,
+        held_objects,
+        load_param_groups,
+        load_param_states,
+        load_slot_states,
+        match_module_entries,
+        module_fragments,
+        module_info,
+        new_state,
+        optimizer_info,
+        optimizer_load,
+        optimizer_slot_fragments,
+        param_group_names,
+        param_owners,
+        param_state_fragments,
+        put_scalar,
+        qualname,
+        ranged_fragments,
+        read_slot,
+        scalar_tensor,
+        sharded_fragments,
+        slot_fragments,
+        slot_state_fragments,
+        state_like,
+        tensor_fragments,
+        weights_entry,
+    )
+    from accelkit.checkpoint.writer import agree
+    from accelkit.config import build_options, closest, load_config_source, options_as_dict
+    from accelkit.distributed import (
+        DEFAULT_TIMEOUT_S,
+        init_process_group,
+        is_initialized,
+        local_rank,
+    )
+    from accelkit.errors import (
+        AccelkitError,
+        BackendNotFoundError,
+        CheckpointError,
+        ConfigError,
+        DistributedError,
+        PluginMissingError,
+        UnsupportedError,
+    )
+    from accelkit.hookspecs import hookimpl
+    from accelkit.modules import apply_activation_checkpointing, compile_in_place, select_blocks
+    from accelkit.precision import (
+        NATIVE_DTYPES,
+        PRECISIONS,
+        DtypeRow,
+        MixedPrecision,
+        Precision,
+        cast_floats,
+        check_device_supports,
+        low_dtype,
+        native_precision,
+    )
+    from accelkit.registry import pip_install
+
+
+def __getattr__(name: str) -> Any:
+    """Load ``name`` from its core module on first access (keeps ``import accelkit.sdk`` cheap)."""
+    module = _SOURCES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accelkit.sdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
