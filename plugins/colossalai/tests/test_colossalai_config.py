@@ -119,6 +119,36 @@ def test_hybrid_capabilities_follow_tp_and_zero():
     assert zero2.capabilities.no_sync is False and zero2.capabilities.portable_checkpoint is True
 
 
+@pytest.mark.parametrize(
+    "name,options",
+    [
+        ("colossalai_hybrid", {"tp_size": 2}),
+        ("colossalai_hybrid", {"zero_stage": 2}),
+        ("colossalai_hybrid", {}),
+        ("colossalai_zero", {"stage": 2}),
+        ("colossalai_zero", {"stage": 1}),
+    ],
+)
+def test_describe_and_the_running_backend_report_the_same_capabilities(name, options):
+    """One classmethod (capabilities_for) answers for both, so describe() cannot disagree with
+    the backend built from the same options (issue 20: it reported the class defaults)."""
+    import dataclasses
+
+    from accelkit.backend import Settings
+    from accelkit.registry import host
+
+    spec = host().resolve(name)
+    cls = spec.load_class()
+    parsed = cls.parse_config(name, None, {**spec.defaults, **options})
+    built = cls(name, parsed, Settings(precision="bf16-true"))  # not launched: no group needed
+    described = accelkit.describe(name, **options)["capabilities"]
+    assert described == dataclasses.asdict(built.capabilities)
+    if options == {"tp_size": 2}:
+        assert described["portable_checkpoint"] is False and described["sharded"] is True
+    if options.get("stage") == 2 or options.get("zero_stage") == 2:
+        assert described["no_sync"] is False
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU run")
 def test_zero_on_one_process_trains_and_refuses_manual_clipping():

@@ -62,6 +62,11 @@ def test_describe_publishes_capabilities_and_the_dtype_table():
     assert caps["scales_loss_for_accumulation"]
     assert not caps["no_sync"] and not caps["manual_clip"]
     assert caps["offload"] and caps["distributed"]
+    # from the name's options, as the running backend has them (capabilities_for): ZeRO-3
+    # partitions at construction, stage 0 shards nothing
+    assert caps["init_context"] == "zero.Init" and caps["sharded"]
+    stage0 = accelkit.describe("deepspeed", zero_stage=0)["capabilities"]
+    assert stage0["init_context"] == "device" and not stage0["sharded"]
     assert set(info["dtypes"]) == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"}
     assert info["dtypes"]["bf16-true"]["master"].startswith("fp32")
     assert info["dtypes"]["bf16-mixed"]["param"] == "fp32"
