@@ -178,7 +178,10 @@ def test_state_estimate_matches_allocated_bytes():
     assert sum(e[k] for k in measured) == pytest.approx(sum(measured.values()), rel=0.005)
 
 
-@pytest.mark.parametrize("precision,kind", [("32-true", "fp32"), ("bf16-mixed", "autocast")])
+@pytest.mark.parametrize(
+    "precision,kind",
+    [("32-true", "fp32"), pytest.param("bf16-mixed", "autocast", marks=pytest.mark.slow)],
+)
 def test_traced_step_peak_matches_measured_rss(precision, kind):
     measured = reference("rss", precision, "8")
     with torch.device("meta"):
@@ -194,6 +197,7 @@ def test_traced_step_peak_matches_measured_rss(precision, kind):
     )
 
 
+@pytest.mark.slow
 def test_fsdp_shard_estimate_matches_raw_fsdp2():
     ranks = run_ranks("bench_plan_reference:fsdp_shard_bytes", timeout=240)
     with torch.device("meta"):
