@@ -9,7 +9,8 @@ In a backend's test module, one line per configuration::
 or subclass :class:`BackendContract` and set its attributes (``backend``, ``options``,
 ``world_sizes``, ...). pytest collects the class (its name starts with ``Test``) and runs:
 
-- ``setup`` returns torch optimizers (the Accelerator's and the backend's own);
+- ``setup`` returns torch optimizers whose param groups are the ones the backend steps (a torch
+  LR scheduler's lr reaches it);
 - a few steps with accumulation 2 and clipping match a raw PyTorch loop written below (same data,
   same initial weights, no accelkit): every loss, every pre-clip gradient norm, the final weights;
 - ``accel.grad_norm`` is a 0-d tensor on the backend's device, and on CUDA the step that computes
@@ -50,16 +51,18 @@ __all__ = ["BackendContract", "MLPWorkload", "backend_contract", "check_backend"
 ACCUMULATION = 2
 STEPS = 4
 SAVE_AT = 2
-#: below every pre-clip norm of the default workload (measured 0.62 to 1.30), so every step
+#: below every pre-clip norm of the default workload (measured 0.43 to 1.77), so every step
 #: clips and a backend that ignores max_grad_norm fails
 CLIP = 0.3
 #: samples per global micro-batch: divisible by 1, 2 and 3 data-parallel ranks
 GLOBAL_BATCH = 6
 #: (rtol, atol) of accelkit against the raw loop and of a resume against the unbroken run, per
-#: precision. 32-true: measured floor on torch 2.13 CPU 2.4e-7 relative (the all-reduce adds
-#: the ranks' gradients in another order than one process does); 1e-5 leaves 40x. The others
-#: scale with the precision's epsilon (bf16 3.9e-3, fp16 4.9e-4) over a few steps; they run on
-#: the GPU machine only.
+#: precision. 32-true, measured on torch 2.13 CPU (ddp and fsdp at 2 and 3 ranks against the raw
+#: loop; the all-reduce adds the ranks' gradients in another order than one process does):
+#: losses 1.24e-7 relative, pre-clip norms 8.2e-8 relative, weights 3.0e-8 absolute (cpu at one
+#: process: 0); rtol 1e-5 and atol 1e-6 leave 30x and more. The others scale with the
+#: precision's epsilon (bf16 3.9e-3, fp16 4.9e-4) and are not measured yet: no contract here
+#: runs them (the GPU classes run 32-true).
 TOLERANCES: dict[str, tuple[float, float]] = {
     "32-true": (1e-5, 1e-6),
     "bf16-mixed": (3e-2, 3e-3),
@@ -181,10 +184,18 @@ def train_job(
     work = _import(workload)()
     net = work.build()
     model, optimizer = accel.setup(net, work.optimizer(net.parameters()))
+    inner = getattr(optimizer, "optimizer", None)
+    # what a torch LR scheduler does: write each group's lr; it must reach what the backend steps
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.5 * group["lr"]
+    reaches = [g["lr"] for g in inner.param_groups] == [0.5 * lr for lr in lrs]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
     out["optimizers"] = {
         "returned": isinstance(optimizer, torch.optim.Optimizer),
-        "backend": isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer),
-        "types": [type(optimizer).__name__, type(getattr(optimizer, "optimizer", None)).__name__],
+        "lr_reaches_backend": reaches,
+        "types": [type(optimizer).__name__, type(inner).__name__],
     }
     state = {"model": model, "optimizer": optimizer}
     first = 0
@@ -468,9 +479,9 @@ class BackendContract:
     def test_setup_returns_torch_optimizers(self, world_size: int) -> None:
         for rank, result in enumerate(self.trained(world_size)):
             assert result["optimizers"]["returned"], f"rank {rank}: {result['optimizers']}"
-            assert result["optimizers"]["backend"], (
-                f"rank {rank}: the backend's setup() returned a "
-                f"{result['optimizers']['types'][1]}, not a torch.optim.Optimizer"
+            assert result["optimizers"]["lr_reaches_backend"], (
+                f"rank {rank}: a torch LR scheduler on the returned optimizer does not set the lr "
+                f"of the backend's {result['optimizers']['types'][1]}"
             )
 
     def test_accumulation_and_clipping_match_a_raw_loop(self, world_size: int) -> None:
