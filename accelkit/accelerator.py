@@ -62,6 +62,9 @@ class Accelerator:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        #: the backend overrides the before_backward hook: only then is the window's end worked
+        #: out before each backward (a few microseconds the hot loop of others does not pay)
+        self._backend_sees_backward = type(backend).before_backward is not Backend.before_backward
         self._optimizers: list[AcceleratedOptimizer] = []
         self._windows: dict[int, _Window] = {}
         self._schedulers: dict[int, list[tuple[Any, Any]]] = {}
@@ -287,9 +290,10 @@ class Accelerator:
             model = self._models[0]
         # for backends that must know before backward whether it closes the window (an engine
         # that reduces gradients at its own accumulation boundary)
-        windows = self._windows_of((model,) if model is not None else ())
-        closes = not windows or any(self._closes_next(w) for w in windows)
-        self.backend.before_backward(model, closes_window=closes)
+        if self._backend_sees_backward:
+            windows = self._windows_of((model,) if model is not None else ())
+            closes = not windows or any(self._closes_next(w) for w in windows)
+            self.backend.before_backward(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
 
     def _is_set_up(self, model: torch.nn.Module) -> bool:
