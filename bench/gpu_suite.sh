@@ -4,7 +4,7 @@
 #
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
-#        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests]
+#        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -109,6 +109,17 @@ for p in "$@"; do
       part caitests
       PYTHONPATH=$CAI_SITE:$SITE ACCELKIT_GPU_REPORT="$OUTDIR" timeout 420 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 400 ${CAI_K:+-k "$CAI_K"} plugins/colossalai > "$OUTDIR/cai-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/cai-tests.log" | tail -20 ;;
+    conformance)
+      # accelkit.testing.conformance on CUDA: the GPU-marked contracts (deepspeed_stage_2 on cuda,
+      # fairscale_fsdp, colossalai_gemini, apex, apex_distributed_adam), slow cases included
+      part conformance
+      timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 280 -k Contract \
+        plugins/deepspeed/tests/test_deepspeed_conformance.py plugins/fairscale/tests/test_fairscale_conformance.py > "$OUTDIR/conformance-ds-fs.log" 2>&1
+      PYTHONPATH=$CAI_SITE:$SITE timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 280 -k Contract \
+        plugins/colossalai/tests/test_colossalai_conformance.py > "$OUTDIR/conformance-cai.log" 2>&1
+      PYTHONPATH=${APEX_SITE:-}:$SITE ACCELKIT_REQUIRE_APEX=1 timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 280 -k Contract \
+        plugins/apex/tests/test_apex_conformance.py > "$OUTDIR/conformance-apex.log" 2>&1
+      grep -hE "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR"/conformance-*.log | tail -40 ;;
     caibench)
       part caibench
       for b in colossalai_zero colossalai_gemini; do

@@ -7,6 +7,7 @@ not show when the page is rendered)::
     <!-- doc-test: requires=cuda,deepspeed --> run only if CUDA / these modules are present
     <!-- doc-test: nproc=2 -->              run on 2 processes with torch.distributed.run (gloo)
     <!-- doc-test: timeout=300 -->          seconds before the block counts as hung (default 180)
+    <!-- doc-test: slow -->                 marked slow: out of the default test run (as nproc>1 is)
 
 Options combine (``<!-- doc-test: nproc=2 timeout=300 -->``); ``<!-- skip-test -->`` is accepted
 as a synonym of ``skip``. Each block is self-contained: it runs in a new temporary directory with
@@ -49,6 +50,8 @@ class DocBlock:
     timeout: int = DEFAULT_TIMEOUT_S
     #: the page runs as one session (``<!-- doc-test: session -->``)
     session: bool = False
+    #: marked ``slow`` (``<!-- doc-test: slow -->``), like every nproc > 1 block
+    slow: bool = False
 
     @property
     def where(self) -> str:
@@ -72,8 +75,8 @@ def parse_marker(text: str, where: str) -> dict:
     options: dict = {}
     for token in match.group("opts").split():
         key, _, value = token.partition("=")
-        if key == "skip" and not value:
-            options["skip"] = True
+        if key in ("skip", "slow") and not value:
+            options[key] = True
         elif key == "requires" and value:
             options["requires"] = tuple(v for v in value.split(",") if v)
         elif key in ("nproc", "timeout") and value.isdigit():
@@ -234,7 +237,7 @@ def _params() -> list:
         marks = []
         if block.skip:
             marks.append(pytest.mark.skip(reason="marked doc-test: skip"))
-        if block.nproc > 1:
+        if block.nproc > 1 or block.slow:
             marks.append(pytest.mark.slow)
         params.append(pytest.param(block, id=block.where, marks=marks))
     return params
@@ -276,7 +279,7 @@ def test_extractor_reads_fences_markers_and_lines(tmp_path: Path) -> None:
         "<!-- skip-test -->\n"  # 11
         "```python\n"  # 12: inside a text fence, not a block
         "````\n"  # 13
-        "<!-- doc-test: nproc=2 timeout=30 requires=cuda,foo -->\n"  # 14
+        "<!-- doc-test: nproc=2 timeout=30 requires=cuda,foo slow -->\n"  # 14
         "```python title\n"  # 15
         "c = 3\n"  # 16
         "```\n"  # 17
@@ -292,6 +295,7 @@ def test_extractor_reads_fences_markers_and_lines(tmp_path: Path) -> None:
         (15, "c = 3\n", False),
     ]
     assert (blocks[2].nproc, blocks[2].timeout, blocks[2].requires) == (2, 30, ("cuda", "foo"))
+    assert blocks[2].slow and not blocks[0].slow
     with pytest.raises(ValueError, match="unknown doc-test option"):
         parse_marker("<!-- doc-test: nprocs=2 -->", "x.md:1")
 

@@ -1,0 +1,16 @@
+"""The FairScale backends pass accelkit's conformance suite: OSS and ShardedDDP on the CPU
+(gloo), FullyShardedDataParallel on the GPU (FairScale's FSDP drives CUDA streams)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fairscale")
+
+from accelkit.testing.conformance import backend_contract
+
+TestOssContract = backend_contract("fairscale_oss", world_sizes=(1, 2))
+TestSdpContract = backend_contract("fairscale_sdp", world_sizes=(1, 2), slow=True)
+TestFsdpContract = backend_contract(
+    "fairscale_fsdp", world_sizes=(1, 2), resume_world_sizes=(1,), gpu=True
+)
