@@ -226,6 +226,33 @@ class HalfPrecision(Precision):
             torch.set_default_dtype(previous)
 
 
+class BoundaryCastPrecision(Precision):
+    """For a backend whose library runs precision itself (DeepSpeed's engine, a ColossalAI
+    plugin): accelkit only casts what crosses the model's boundary.
+
+    ``-true``: float inputs go in as bf16/fp16 (the library's weights are), outputs come back
+    fp32. ``-mixed``: outputs come back fp32; with ``autocast_device`` the forward also runs
+    under ``torch.autocast`` (for a library that keeps fp32 and leaves autocast to the caller),
+    without it the library autocasts itself.
+    """
+
+    def __init__(self, precision: str, autocast_device: str | None = None) -> None:
+        self.name = precision
+        self.input_dtype = low_dtype(precision) if precision in ("bf16-true", "16-true") else None
+        self.autocast_device = autocast_device
+        mixed = precision.endswith("-mixed") and autocast_device is not None
+        self.autocast_dtype = low_dtype(precision) if mixed else None
+        self.cast_output = precision != "32-true"
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast_device, dtype=self.autocast_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return cast_floats(data, torch.float32) if self.cast_output else data
+
+
 def native_precision(precision: str, device_type: str) -> Precision:
     """The policy the torch-native backends use for ``precision`` on ``device_type``."""
     if precision == "32-true":

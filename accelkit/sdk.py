@@ -10,14 +10,16 @@ The groups:
 - the backend protocol: :class:`Backend` (its hooks are documented where they are declared),
   :class:`Capabilities`, :class:`Settings`, :class:`SetupResult`, :class:`StepResult`, and the
   torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend`);
-- launch: :func:`init_process_group`, :func:`local_rank`, :func:`is_initialized`,
-  :data:`DEFAULT_TIMEOUT_S`;
+- launch: :class:`DistributedBackend` (device pick, process group, ``timeout``) with its
+  :class:`DistributedOptions` / :class:`ProcessGroupOptions`, :func:`init_process_group`,
+  :func:`local_rank`, :func:`is_initialized`, :data:`DEFAULT_TIMEOUT_S`;
 - options: :func:`build_options`, :func:`options_as_dict`, :func:`load_config_source`,
   :func:`closest`, :func:`pip_install`;
 - precision policies and dtype tables: :class:`Precision`, :class:`MixedPrecision`,
-  :class:`DtypeRow`, :func:`cast_floats`, ...;
+  :class:`BoundaryCastPrecision`, :class:`DtypeRow`, :func:`cast_floats`, ...;
 - module transforms: :func:`apply_activation_checkpointing`, :func:`compile_in_place`,
-  :func:`select_blocks`;
+  :func:`select_blocks`, and the ``wrap_policy`` option of FSDP-like backends
+  (:func:`check_wrap_policy`, :func:`wrap_blocks`);
 - the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
   layouts and the loaders of :mod:`accelkit.checkpoint.sharded`, the codec, names, and the
   foreign-format import helpers of ``accelkit convert``;
@@ -34,7 +36,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.0"
+SDK_VERSION = "1.1"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -49,6 +51,9 @@ _SOURCES: dict[str, str] = {
     "device_available": "accelkit.backends.single",
     "DDPBackend": "accelkit.backends.ddp",
     "DDPOptions": "accelkit.backends.ddp",
+    "DistributedBackend": "accelkit.backends.distributed",
+    "DistributedOptions": "accelkit.backends.distributed",
+    "ProcessGroupOptions": "accelkit.backends.distributed",
     "hookimpl": "accelkit.hookspecs",
     # launch
     "DEFAULT_TIMEOUT_S": "accelkit.distributed",
@@ -62,6 +67,7 @@ _SOURCES: dict[str, str] = {
     "options_as_dict": "accelkit.config",
     "pip_install": "accelkit.registry",
     # precision
+    "BoundaryCastPrecision": "accelkit.precision",
     "DtypeRow": "accelkit.precision",
     "MixedPrecision": "accelkit.precision",
     "NATIVE_DTYPES": "accelkit.precision",
@@ -73,8 +79,10 @@ _SOURCES: dict[str, str] = {
     "native_precision": "accelkit.precision",
     # module transforms
     "apply_activation_checkpointing": "accelkit.modules",
+    "check_wrap_policy": "accelkit.modules",
     "compile_in_place": "accelkit.modules",
     "select_blocks": "accelkit.modules",
+    "wrap_blocks": "accelkit.modules",
     # the checkpoint kit
     "BUFFER": "accelkit.checkpoint.sharded",
     "Fragment": "accelkit.checkpoint.sharded",
@@ -163,6 +171,9 @@ __all__ = [
     "device_available",
     "DDPBackend",
     "DDPOptions",
+    "DistributedBackend",
+    "DistributedOptions",
+    "ProcessGroupOptions",
     "hookimpl",
     "DEFAULT_TIMEOUT_S",
     "init_process_group",
@@ -173,6 +184,7 @@ __all__ = [
     "load_config_source",
     "options_as_dict",
     "pip_install",
+    "BoundaryCastPrecision",
     "DtypeRow",
     "MixedPrecision",
     "NATIVE_DTYPES",
@@ -183,8 +195,10 @@ __all__ = [
     "low_dtype",
     "native_precision",
     "apply_activation_checkpointing",
+    "check_wrap_policy",
     "compile_in_place",
     "select_blocks",
+    "wrap_blocks",
     "BUFFER",
     "Fragment",
     "Layout",
@@ -260,6 +274,11 @@ __all__ = [
 if TYPE_CHECKING:
     from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
     from accelkit.backends.ddp import DDPBackend, DDPOptions
+    from accelkit.backends.distributed import (
+        DistributedBackend,
+        DistributedOptions,
+        ProcessGroupOptions,
+    )
     from accelkit.backends.single import SingleDeviceBackend, device_available
     from accelkit.benchmark.memory import (
         LOW_PRECISIONS,
@@ -344,10 +363,17 @@ if TYPE_CHECKING:
         UnsupportedError,
     )
     from accelkit.hookspecs import hookimpl
-    from accelkit.modules import apply_activation_checkpointing, compile_in_place, select_blocks
+    from accelkit.modules import (
+        apply_activation_checkpointing,
+        check_wrap_policy,
+        compile_in_place,
+        select_blocks,
+        wrap_blocks,
+    )
     from accelkit.precision import (
         NATIVE_DTYPES,
         PRECISIONS,
+        BoundaryCastPrecision,
         DtypeRow,
         MixedPrecision,
         Precision,

@@ -4,59 +4,32 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from accelkit import distributed
 from accelkit.backend import Capabilities, SetupResult
-from accelkit.backends.single import SingleDeviceBackend, device_available
-from accelkit.errors import ConfigError
-from accelkit.precision import check_device_supports, native_precision
+from accelkit.backends.distributed import DistributedBackend, DistributedOptions
+from accelkit.backends.single import SingleDeviceBackend
 
 
 @dataclass
-class DDPOptions:
+class DDPOptions(DistributedOptions):
     """Options of ``ddp`` (and of backends built on :class:`DDPBackend`)."""
 
-    #: "auto" takes CUDA when present, else the CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float | None = None
     broadcast_buffers: bool = True
 
-    def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
 
-
-class DDPBackend(SingleDeviceBackend):
+class DDPBackend(DistributedBackend, SingleDeviceBackend):
     """One model replica per process; gradients all-reduced in buckets during backward."""
 
     capabilities = Capabilities(no_sync=True, distributed=True)
     options_class = DDPOptions
-
-    def launch(self) -> None:
-        want = self.options.device
-        if want == "cuda" and not device_available("cuda"):
-            raise ConfigError(
-                "ddp: device='cuda' but no CUDA device is available; use device='cpu'"
-            )
-        use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
-        if use_cuda:
-            index = distributed.local_rank()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
-        check_device_supports(self.settings.precision, self._device)
-        distributed.init_process_group(self._device, self.options.timeout)
-        self.precision = native_precision(self.settings.precision, self._device.type)
 
     def setup(
         self,

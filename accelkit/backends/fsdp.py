@@ -19,22 +19,25 @@ import contextlib
 import logging
 import math
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from accelkit import distributed
-from accelkit.backend import Backend, Capabilities, SetupResult
-from accelkit.backends.single import device_available
+from accelkit.backend import Capabilities, SetupResult
+from accelkit.backends.distributed import DistributedBackend, DistributedOptions
 from accelkit.errors import ConfigError
-from accelkit.modules import apply_activation_checkpointing, compile_in_place, select_blocks
+from accelkit.modules import (
+    apply_activation_checkpointing,
+    check_wrap_policy,
+    compile_in_place,
+    wrap_blocks,
+)
 from accelkit.precision import (
     DtypeRow,
     MixedPrecision,
     cast_floats,
-    check_device_supports,
     low_dtype,
 )
 
@@ -61,28 +64,8 @@ FSDP_DTYPES: dict[str, DtypeRow] = {
 
 
 # ---- options --------------------------------------------------------------------------------
-def _check_wrap_policy(policy: Any) -> None:
-    if policy is None or isinstance(policy, (bool, type, str)):
-        return
-    if callable(policy):
-        return
-    if isinstance(policy, Iterable):
-        bad = [p for p in policy if not isinstance(p, (type, str))]
-        if not bad:
-            return
-    raise ValueError(
-        "option 'wrap_policy' must be True (the blocks of every ModuleList/Sequential stack), "
-        "False/None (the root only), a module class or class name, a list of those, or a "
-        f"predicate module -> bool; got {policy!r}"
-    )
-
-
 @dataclass
-class FSDPOptions:
-    #: "auto" takes CUDA when present, else the CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = distributed.DEFAULT_TIMEOUT_S
+class FSDPOptions(DistributedOptions):
     #: which submodules become their own FSDP unit before the root: True = the children of the
     #: outermost ModuleList/Sequential stacks; classes, class names or a predicate; False = root only
     wrap_policy: Any = True
@@ -96,9 +79,8 @@ class FSDPOptions:
     skip_sync_in_accumulation: bool = False
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
-        _check_wrap_policy(self.wrap_policy)
+        super().__post_init__()
+        check_wrap_policy(self.wrap_policy)
         if (
             isinstance(self.reshard_after_forward, int)
             and not isinstance(self.reshard_after_forward, bool)
@@ -184,41 +166,7 @@ def _tie_groups(model: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]
 
 def _select_wrap_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
     """The submodules that become FSDP units, outermost first among nested ones."""
-    if policy is None or policy is False:
-        return []
-    if isinstance(policy, str) or (
-        isinstance(policy, Iterable)
-        and not isinstance(policy, type)
-        and any(isinstance(p, str) for p in policy)
-    ):
-        wanted = [policy] if isinstance(policy, str) else list(policy)
-        names = {p for p in wanted if isinstance(p, str)}
-        classes = tuple(p for p in wanted if isinstance(p, type))
-
-        def matches(m: torch.nn.Module) -> bool:
-            cls = type(m)
-            return (
-                cls.__name__ in names
-                or f"{cls.__module__}.{cls.__qualname__}" in names
-                or (bool(classes) and isinstance(m, classes))
-            )
-
-        blocks = select_blocks(model, matches)
-        found = {type(b).__name__ for b in blocks} | {
-            f"{type(b).__module__}.{type(b).__qualname__}" for b in blocks
-        }
-        missing = sorted(n for n in names if n not in found)
-        if missing:
-            raise ConfigError(
-                f"fsdp: wrap_policy names {missing} but the model has no such modules"
-            )
-    else:
-        blocks = select_blocks(model, policy)
-    if policy is True:  # default: only the outermost stacks' blocks
-        inside: set[int] = set()
-        for block in blocks:
-            inside.update(id(m) for m in block.modules() if m is not block)
-        blocks = [b for b in blocks if id(b) not in inside]
+    blocks = wrap_blocks(model, policy, "fsdp")
     # a block that shares a parameter with the rest of the model must stay in an outer unit
     ties = _tie_groups(model)
     names = _module_names(model)
@@ -343,7 +291,7 @@ class _Materializer:
 
 
 # ---- the backend ----------------------------------------------------------------------------
-class FSDPBackend(Backend):
+class FSDPBackend(DistributedBackend):
     """torch FSDP2: parameters, gradients and optimizer state sharded across ranks."""
 
     capabilities = Capabilities(
@@ -365,22 +313,8 @@ class FSDPBackend(Backend):
         #: id(param) -> (weakref, version) of parameters built on meta in init_module()
         self._meta_versions: dict[int, tuple[weakref.ref, int]] = {}
 
-    def launch(self) -> None:
-        want = self.options.device
-        if want == "cuda" and not device_available("cuda"):
-            raise ConfigError(
-                "fsdp: device='cuda' but no CUDA device is available; use device='cpu'"
-            )
-        use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
-        if use_cuda:
-            index = distributed.local_rank()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
-        check_device_supports(self.settings.precision, self._device)
-        distributed.init_process_group(self._device, self.options.timeout)
-        self.precision = FSDPPrecision(self.settings.precision, self._device.type)
+    def make_precision(self) -> FSDPPrecision:
+        return FSDPPrecision(self.settings.precision, self._device.type)
 
     # ---- building the model -------------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
