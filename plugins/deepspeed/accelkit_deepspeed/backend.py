@@ -35,19 +35,15 @@ from typing import Any
 import torch
 
 from accelkit.sdk import (
-    Backend,
+    BoundaryCastPrecision,
     Capabilities,
     ConfigError,
-    Precision,
+    DistributedBackend,
     Settings,
     SetupResult,
     StepResult,
     UnsupportedError,
     apply_activation_checkpointing,
-    cast_floats,
-    init_process_group,
-    local_rank,
-    low_dtype,
 )
 from accelkit_deepspeed import config as dsconfig
 from accelkit_deepspeed import zero_init
@@ -58,25 +54,6 @@ DEPRECATED_COLLECTIVES = (
 )
 
 log = logging.getLogger("accelkit")
-
-
-class EnginePrecision(Precision):
-    """DeepSpeed runs precision itself; accelkit only casts what crosses the model's boundary.
-
-    ``-true``: float inputs go in as bf16/fp16 (the engine's weights are), outputs come back fp32.
-    ``-mixed``: the engine runs torch.autocast itself; outputs come back fp32.
-    """
-
-    def __init__(self, precision: str) -> None:
-        self.name = precision
-        self.input_dtype = low_dtype(precision) if precision in ("bf16-true", "16-true") else None
-        self.cast_output = precision != "32-true"
-
-    def convert_input(self, data: Any) -> Any:
-        return cast_floats(data, self.input_dtype) if self.input_dtype is not None else data
-
-    def convert_output(self, data: Any) -> Any:
-        return cast_floats(data, torch.float32) if self.cast_output else data
 
 
 @dataclasses.dataclass
@@ -90,7 +67,7 @@ class _EngineRecord:
     managed: bool
 
 
-class DeepSpeedBackend(Backend):
+class DeepSpeedBackend(DistributedBackend):
     """``deepspeed``, ``deepspeed_stage_1/2/3`` and ``deepspeed_stage_3_offload``."""
 
     capabilities = Capabilities(
@@ -137,7 +114,9 @@ class DeepSpeedBackend(Backend):
         self.stage = dsconfig.zero_stage(options)
         offload_optimizer, offload_param = dsconfig.offload_devices(options)
         self.offloads = (offload_optimizer, offload_param)
-        self.precision = EnginePrecision(settings.precision or "32-true")
+        # DeepSpeed's engine runs precision itself (autocast included); accelkit casts at the
+        # model's boundary only
+        self.precision = BoundaryCastPrecision(settings.precision or "32-true")
         self._records: list[_EngineRecord] = []  # one per setup(), in setup order
         self._micro_batch: int | None = None
         self._deepspeed: Any = None
@@ -196,16 +175,8 @@ class DeepSpeedBackend(Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def launch(self) -> None:
-        want = self.options.device
-        if want == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"{self.name}: device='cuda' but no CUDA device is available")
-        use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            index = local_rank()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
+        self._device = self.pick_device()
+        if self._device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         deepspeed = self._import_deepspeed()
         from deepspeed.accelerator import get_accelerator
@@ -220,7 +191,7 @@ class DeepSpeedBackend(Backend):
         self._check_precision_supported(accelerator)
         if self._device.type == "cpu" and not self.options.cpu_shm_comm:
             _skip_shm_comm_build()
-        init_process_group(self._device, self.options.timeout)
+        self.join_process_group()
         deepspeed.init_distributed(
             dist_backend=accelerator.communication_backend_name(),
             timeout=datetime.timedelta(seconds=self.options.timeout),

@@ -18,7 +18,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from accelkit.sdk import ConfigError, DtypeRow, build_options, closest, load_config_source
+from accelkit.sdk import (
+    ConfigError,
+    DistributedOptions,
+    DtypeRow,
+    build_options,
+    closest,
+    load_config_source,
+)
 
 #: Top-level keys of a DeepSpeed config: any of them marks a config as native.
 NATIVE_KEYS = frozenset(
@@ -109,7 +116,7 @@ Offload = Literal["cpu", "nvme"] | None
 
 
 @dataclass
-class DeepSpeedOptions:
+class DeepSpeedOptions(DistributedOptions):
     """Short options of the ``deepspeed`` backends (``None`` leaves DeepSpeed's own default)."""
 
     #: ZeRO stage: 0 (data parallel), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters);
@@ -146,10 +153,6 @@ class DeepSpeedOptions:
     communication_data_type: Literal["fp32", "bf16", "fp16"] | None = None
     #: samples per process per micro-batch; default: the loader's batch size, else 1
     train_micro_batch_size_per_gpu: int | None = None
-    #: "auto" takes CUDA when present, else the CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up
-    timeout: float = 1800.0
     #: level of DeepSpeed's own logger (it logs a lot at INFO)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     #: build DeepSpeed's shared-memory all-reduce op on the CPU. Only DeepSpeed's inference
@@ -159,10 +162,9 @@ class DeepSpeedOptions:
     ds_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"option 'zero_stage' must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
         if (
             self.train_micro_batch_size_per_gpu is not None
             and self.train_micro_batch_size_per_gpu < 1
