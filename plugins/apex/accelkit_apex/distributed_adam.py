@@ -31,16 +31,15 @@ from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 
 from accelkit.sdk import (
-    DEFAULT_TIMEOUT_S,
     Capabilities,
     ConfigError,
+    DistributedBackend,
     DtypeRow,
+    ProcessGroupOptions,
     SetupResult,
     StepResult,
     UnsupportedError,
     check_device_supports,
-    init_process_group,
-    native_precision,
 )
 from accelkit_apex import checkpoint
 from accelkit_apex.backend import ApexBackend, cuda_device
@@ -51,9 +50,9 @@ _SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 @dataclass
-class DistributedAdamOptions:
-    #: seconds before a collective gives up
-    timeout: float = DEFAULT_TIMEOUT_S
+class DistributedAdamOptions(ProcessGroupOptions):
+    """``timeout`` (CUDA only, so no ``device``) plus DistributedFusedAdam's own arguments."""
+
     #: gradient bucket size (DistributedFusedAdam's default: 100)
     bucket_cap_mb: float = 100.0
     #: reduce-scatter buckets during backward, as they fill
@@ -72,8 +71,7 @@ class DistributedAdamOptions:
     fused_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
+        super().__post_init__()
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"option 'bucket_cap_mb' must be > 0, got {self.bucket_cap_mb}")
         if self.pipeline_size < 1:
@@ -98,7 +96,7 @@ DISTRIBUTED_ADAM_DTYPES: dict[str, DtypeRow] = {
 }
 
 
-class DistributedAdamBackend(ApexBackend):
+class DistributedAdamBackend(DistributedBackend, ApexBackend):
     """ZeRO-2 through Apex's DistributedFusedAdam; the model stays unwrapped."""
 
     capabilities = Capabilities(no_sync=True, sharded=True, distributed=True, compile=False)
@@ -122,8 +120,8 @@ class DistributedAdamBackend(ApexBackend):
 
         self._dfa_class = DistributedFusedAdam
         check_device_supports(self.settings.precision, self._device)
-        init_process_group(self._device, self.options.timeout)
-        self.precision = native_precision(self.settings.precision, self._device.type)
+        self.join_process_group()
+        self.precision = self.make_precision()
 
     def setup(
         self,

@@ -22,28 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from accelkit.sdk import (
-    DEFAULT_TIMEOUT_S,
-    Backend,
     Capabilities,
     ConfigError,
+    DistributedBackend,
+    DistributedOptions,
     DtypeRow,
     Precision,
     SetupResult,
     StepResult,
     UnsupportedError,
     check_device_supports,
-    device_available,
-    init_process_group,
-    local_rank,
+    check_wrap_policy,
     low_dtype,
-    select_blocks,
+    wrap_blocks,
 )
 from accelkit_fairscale.common import ShardedMixedPrecision, fresh_groups
 
@@ -67,24 +65,11 @@ FAIRSCALE_FSDP_DTYPES: dict[str, DtypeRow] = {
 }
 
 
-def _check_wrap_policy(policy: Any) -> None:
-    if policy is None or isinstance(policy, (bool, type, str)) or callable(policy):
-        return
-    if isinstance(policy, Iterable) and all(isinstance(p, (type, str)) for p in policy):
-        return
-    raise ValueError(
-        "option 'wrap_policy' must be True (the blocks of every ModuleList/Sequential stack), "
-        "False/None (the root only), a module class or class name, a list of those, or a "
-        f"predicate module -> bool; got {policy!r}"
-    )
-
-
 @dataclass
-class FairScaleFSDPOptions:
-    #: "auto" takes CUDA when present; "cpu" only where FairScale can run without CUDA streams
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = DEFAULT_TIMEOUT_S
+class FairScaleFSDPOptions(DistributedOptions):
+    """``device`` ("cpu" only where FairScale can run without CUDA streams) and ``timeout``
+    from the base, plus FairScale FSDP's own arguments."""
+
     #: which submodules become their own (nested) FSDP unit before the root: True = the
     #: children of the outermost ModuleList/Sequential stacks; classes, class names or a
     #: predicate; False = the root only
@@ -109,9 +94,8 @@ class FairScaleFSDPOptions:
     skip_sync_in_accumulation: bool = False
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
-        _check_wrap_policy(self.wrap_policy)
+        super().__post_init__()
+        check_wrap_policy(self.wrap_policy)
         if self.bucket_cap_mb is not None and self.bucket_cap_mb < 0:
             raise ValueError(f"option 'bucket_cap_mb' must be >= 0, got {self.bucket_cap_mb}")
 
@@ -126,34 +110,7 @@ class FairScaleFSDPPrecision(ShardedMixedPrecision):
 
 def _unit_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
     """The submodules that become nested FSDP units (outermost first among nested ones)."""
-    if policy is None or policy is False:
-        return []
-    names = {policy} if isinstance(policy, str) else set()
-    if isinstance(policy, Iterable) and not isinstance(policy, (str, type)):
-        names = {p for p in policy if isinstance(p, str)}
-        classes = tuple(p for p in policy if isinstance(p, type))
-    else:
-        classes = (policy,) if isinstance(policy, type) else ()
-    if names:
-
-        def matches(m: torch.nn.Module) -> bool:
-            cls = type(m)
-            qualified = f"{cls.__module__}.{cls.__qualname__}"
-            return cls.__name__ in names or qualified in names or isinstance(m, classes)
-
-        blocks = select_blocks(model, matches)
-        found = {type(b).__name__ for b in blocks}
-        found |= {f"{type(b).__module__}.{type(b).__qualname__}" for b in blocks}
-        missing = sorted(names - found)
-        if missing:
-            raise ConfigError(
-                f"fairscale_fsdp: wrap_policy names {missing} but the model has no such modules"
-            )
-    else:
-        blocks = select_blocks(model, policy)
-    if policy is True:  # default: only the outermost stacks' blocks
-        inside = {id(m) for b in blocks for m in b.modules() if m is not b}
-        blocks = [b for b in blocks if id(b) not in inside]
+    blocks = wrap_blocks(model, policy, "fairscale_fsdp")
     # A block sharing a parameter with the rest of the model stays in its parent's unit:
     # FairScale would flatten the shared tensor into the inner unit only.
     owners: dict[int, set[int]] = {}
@@ -175,7 +132,7 @@ def _unit_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
     return kept
 
 
-class FairScaleFSDPBackend(Backend):
+class FairScaleFSDPBackend(DistributedBackend):
     """FairScale FSDP: flat parameters, gradients and optimizer state sharded across ranks."""
 
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -201,24 +158,16 @@ class FairScaleFSDPBackend(Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def launch(self) -> None:
-        want = self.options.device
-        if want == "cuda" and not device_available("cuda"):
-            raise ConfigError("fairscale_fsdp: device='cuda' but no CUDA device is available here")
-        use_cuda = want == "cuda" or (want == "auto" and device_available("cuda"))
-        if use_cuda:
-            index = local_rank()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
-            if self.options.move_params_to_cpu:
-                raise ConfigError(
-                    "fairscale_fsdp: move_params_to_cpu=True needs CUDA (FairScale pins the "
-                    "CPU shards); on the CPU the parameters are in CPU memory already"
-                )
+        self._device = self.pick_device()
+        use_cuda = self._device.type == "cuda"
+        if not use_cuda and self.options.move_params_to_cpu:
+            raise ConfigError(
+                "fairscale_fsdp: move_params_to_cpu=True needs CUDA (FairScale pins the "
+                "CPU shards); on the CPU the parameters are in CPU memory already"
+            )
         precision = self.settings.precision
         check_device_supports(precision, self._device)
-        init_process_group(self._device, self.options.timeout)
+        self.join_process_group()
         if precision == "32-true":
             self.precision = Precision()
         else:

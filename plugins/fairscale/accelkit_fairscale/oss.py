@@ -12,17 +12,17 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
 from accelkit.sdk import (
-    DEFAULT_TIMEOUT_S,
     NATIVE_DTYPES,
     Capabilities,
     ConfigError,
     DDPBackend,
     DDPOptions,
+    DistributedOptions,
     DtypeRow,
     SetupResult,
     UnsupportedError,
@@ -153,11 +153,7 @@ class OSSBackend(DDPBackend):
 
 # ---- fairscale_sdp ---------------------------------------------------------------------------
 @dataclass
-class ShardedDDPOptions:
-    #: "auto" takes CUDA when present, else the CPU
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up (a dead rank makes the others fail, not hang)
-    timeout: float = DEFAULT_TIMEOUT_S
+class ShardedDDPOptions(DistributedOptions):
     #: broadcast buffers (batch-norm statistics) from rank 0 before each synced forward
     broadcast_buffers: bool = True
     #: elements per gradient bucket. 0 (accelkit's default; FairScale's is 2**23) reduces each
@@ -178,8 +174,7 @@ class ShardedDDPOptions:
     broadcast_buffer_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
+        super().__post_init__()
         if self.broadcast_buffer_size is not None:
             raise ValueError(_BUFFER_SIZE_IGNORED)
         if self.reduce_buffer_size < 0:
