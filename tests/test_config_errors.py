@@ -235,3 +235,24 @@ def test_bad_config_file_says_what_is_wrong(tmp_path, filename, content, pattern
 def test_config_of_another_type_is_refused():
     with pytest.raises(accelkit.ConfigError, match="config must be a dict, a dataclass, or a path"):
         accelkit.get("cpu", 42)
+
+
+def test_every_distributed_backend_refuses_a_non_positive_timeout_before_joining_a_group():
+    """``timeout`` is declared and checked once (the options of ``DistributedBackend``): every
+    multi-process backend installed here, plugins included, refuses 0 with the same message."""
+    from accelkit import registry
+
+    host = registry.host()
+    host.ensure_loaded()
+    checked = []
+    for spec in host.registry.specs():
+        if spec.alias_of or spec.missing_libraries():
+            continue
+        capabilities = getattr(spec.load_class(), "capabilities", None)
+        if capabilities is None or not capabilities.distributed:
+            continue
+        with pytest.raises(accelkit.ConfigError, match=r"'timeout' must be > 0 seconds, got 0"):
+            accelkit.describe(spec.name, timeout=0)
+        checked.append(spec.name)
+    assert {"ddp", "fsdp"} <= set(checked), checked
+    assert not dist.is_initialized()
