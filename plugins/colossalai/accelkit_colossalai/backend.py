@@ -31,19 +31,17 @@ from accelkit.sdk import (
     NATIVE_DTYPES,
     PRECISIONS,
     Backend,
+    BoundaryCastPrecision,
     Capabilities,
     ConfigError,
+    DistributedBackend,
     Precision,
     Settings,
     SetupResult,
     StepResult,
     UnsupportedError,
     apply_activation_checkpointing,
-    cast_floats,
     check_device_supports,
-    init_process_group,
-    local_rank,
-    low_dtype,
     native_precision,
 )
 from accelkit_colossalai import options as opts
@@ -53,31 +51,7 @@ log = logging.getLogger("accelkit")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class PluginPrecision(Precision):
-    """The plugin runs precision; accelkit casts what crosses the model's boundary and, for
-    ``bf16-mixed`` (plugin in fp32), runs the forward under torch autocast."""
-
-    def __init__(self, precision: str, device_type: str) -> None:
-        self.name = precision
-        self.device_type = device_type
-        self.input_dtype = (
-            low_dtype(precision)
-            if precision.endswith("-true") and (precision != "32-true")
-            else None
-        )
-        self.autocast_dtype = low_dtype(precision) if precision.endswith("-mixed") else None
-        self.cast_output = precision != "32-true"
-
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
-
-    def convert_output(self, data: Any) -> Any:
-        return cast_floats(data, torch.float32) if self.cast_output else data
-
-
-class ColossalAIBackend(Backend):
+class ColossalAIBackend(DistributedBackend):
     """What the four ColossalAI backends share. Subclasses build their plugin."""
 
     capabilities = Capabilities(
@@ -114,24 +88,17 @@ class ColossalAIBackend(Backend):
     def launch(self) -> None:
         want = getattr(self.options, "device", "auto")
         cuda = torch.cuda.is_available()
-        if want == "cuda" and not cuda:
-            raise ConfigError(f"{self.name}: device='cuda' but no CUDA device is available")
         if want == "cpu" and cuda:
             raise ConfigError(
                 f"{self.name}: device='cpu' while CUDA is available: ColossalAI picks its CUDA "
                 "accelerator whenever CUDA is present, so the CPU cannot be forced here"
             )
-        if cuda:
-            index = local_rank()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
+        self._device = self.pick_device()
         if self._device.type not in self.devices:
             raise ConfigError(f"{self.name} needs a CUDA GPU: {self.cpu_refusal()}")
         check_device_supports(self.settings.precision or "32-true", self._device)
         self.check_device(self._device)
-        init_process_group(self._device, self.options.timeout)
+        self.join_process_group()
         if self._device.type == "cpu":
             from accelkit_colossalai import cpu_shim
 
@@ -149,7 +116,8 @@ class ColossalAIBackend(Backend):
         """Refuse what the plugin cannot do on ``device``."""
 
     def make_precision(self) -> Precision:
-        return PluginPrecision(self.settings.precision or "32-true", self._device.type)
+        # the plugin runs precision; for "-mixed" it keeps fp32 and accelkit autocasts
+        return BoundaryCastPrecision(self.settings.precision or "32-true", self._device.type)
 
     def build_plugin(self) -> Any:
         raise NotImplementedError

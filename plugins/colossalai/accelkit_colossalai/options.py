@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from accelkit.sdk import DEFAULT_TIMEOUT_S, DtypeRow
+from accelkit.sdk import DistributedOptions, DtypeRow
 
 #: plugin arguments accelkit sets itself
 OWNED_KWARGS = frozenset(
@@ -20,17 +20,15 @@ OWNED_KWARGS = frozenset(
 
 
 @dataclass
-class CommonOptions:
-    #: "auto" takes CUDA when present, else the CPU (TorchDDP and LowLevelZero only)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: seconds before a collective gives up
-    timeout: float = DEFAULT_TIMEOUT_S
+class CommonOptions(DistributedOptions):
+    """Every ColossalAI backend's options: ``device`` and ``timeout`` from the base
+    (``device="cpu"`` runs on TorchDDP and LowLevelZero only) and the plugin's own arguments."""
+
     #: further keyword arguments for the ColossalAI plugin's constructor
     plugin_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.timeout <= 0:
-            raise ValueError(f"option 'timeout' must be > 0 seconds, got {self.timeout}")
+        super().__post_init__()
         owned = sorted(OWNED_KWARGS & set(self.plugin_kwargs))
         if owned:
             raise ValueError(
