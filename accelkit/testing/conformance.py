@@ -360,6 +360,9 @@ class BackendContract:
     #: mark every case ``slow`` (a second configuration of a backend already represented)
     slow: ClassVar[bool] = False
     timeout: ClassVar[float] = 300
+    #: where the host syncs of a step are known and not yet removed: why (the count is still
+    #: measured and reported, and the case is an expected failure rather than a pass)
+    known_host_syncs: ClassVar[str | None] = None
     #: extra folders the ranks import ``plugin`` / ``workload`` from
     path: ClassVar[tuple[str, ...]] = ()
 
@@ -399,6 +402,12 @@ class BackendContract:
     # ---- launches, once per class and key ----------------------------------------------------
     def _launch(self, key: tuple, target: str, kwargs: dict[str, Any], nproc: int) -> list[Any]:
         cls = type(self)
+        if cls.gpu:
+            import torch
+
+            gpus = torch.cuda.device_count()
+            if nproc > gpus:
+                pytest.skip(f"{nproc} ranks need {nproc} GPUs; this machine has {gpus}")
         cache_key = (id(cls), *key)
         if cache_key not in _CACHE:
             try:
@@ -499,8 +508,11 @@ class BackendContract:
             for kind, dim, device in result["norm_kinds"]:
                 assert (kind, dim) == ("Tensor", 0), f"rank {rank}: grad_norm is {kind} ({dim}-d)"
                 assert device == result["device"], f"rank {rank}: grad_norm on {device}"
-            if result["host_syncs_in_step"] is not None:
-                assert result["host_syncs_in_step"] == 0, (
+            syncs = result["host_syncs_in_step"]
+            if syncs and type(self).known_host_syncs:
+                pytest.xfail(f"rank {rank}: {syncs} host syncs; {type(self).known_host_syncs}")
+            if syncs is not None:
+                assert syncs == 0, (
                     f"rank {rank}: {result['host_syncs_in_step']} host syncs in the steps "
                     "that computed grad_norm"
                 )

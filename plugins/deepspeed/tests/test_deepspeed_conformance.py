@@ -18,5 +18,12 @@ TestStage3Contract = backend_contract(
     "deepspeed_stage_3", world_sizes=(1, 2), env=CPU_ENV, slow=True
 )
 TestStage2GpuContract = backend_contract(
-    "deepspeed_stage_2", world_sizes=(1,), resume_world_sizes=(1,), env=CUDA_ENV, gpu=True
+    "deepspeed_stage_2",
+    world_sizes=(1,),
+    resume_world_sizes=(1,),
+    env=CUDA_ENV,
+    gpu=True,
+    # measured on one H200 (bench/results/2026-12-03-h200-callG/h): 17 syncs in the steps, not
+    # yet traced to DeepSpeed's ZeRO optimizer or to accelkit's plugin
+    known_host_syncs="deepspeed_stage_2's step syncs the host (not yet traced; see the log of 2026-12-03)",
 )
