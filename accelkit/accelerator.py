@@ -455,8 +455,12 @@ class Accelerator:
         distributed.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """All-reduce (``sum``, ``mean``, ``max``, ``min``) over every process; returns a copy."""
-        return distributed.all_reduce(tensor.to(self.device), op)
+        """All-reduce (``sum``, ``mean``, ``max``, ``min``) over the data-parallel replicas;
+        returns a copy. The ranks of one tensor-parallel replica hold the same values, so the
+        world group would count them ``tp`` times."""
+        return distributed.all_reduce(
+            tensor.to(self.device), op, self.backend.data_parallel_group()
+        )
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object (or tensor) from rank ``src`` to every rank."""

@@ -273,8 +273,9 @@ def barrier() -> None:
         _collective("barrier", dist.barrier)
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a copy of ``tensor`` (``sum``, ``mean``, ``max``, ``min``) and return it."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Any = None) -> torch.Tensor:
+    """All-reduce a copy of ``tensor`` (``sum``, ``mean``, ``max``, ``min``) over ``group``
+    (None: every process) and return it."""
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op not in (*ops, "mean"):
         raise ValueError(f"all_reduce op must be one of sum, mean, max, min, got {op!r}")
@@ -282,9 +283,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     out = tensor.clone()
     if not _multi():
         return out
-    _collective("all_reduce", dist.all_reduce, out, op=ops.get(op, dist.ReduceOp.SUM))
+    _collective("all_reduce", dist.all_reduce, out, op=ops.get(op, dist.ReduceOp.SUM), group=group)
     if op == "mean":
-        out = out / dist.get_world_size()
+        out = out / dist.get_world_size(group)
     return out
 
 

@@ -1,5 +1,5 @@
-"""The ColossalAI backends pass accelkit's conformance suite; ``gather_for_metrics`` under tensor
-parallelism returns each sample once.
+"""The ColossalAI backends pass accelkit's conformance suite; under tensor parallelism
+``gather_for_metrics`` returns each sample once and ``all_reduce`` counts each replica once.
 
 ``colossalai_gemini`` needs CUDA (GPU-marked). ``colossalai_hybrid`` trains Shardformer models
 only, so its contract runs on a tiny Llama (tp_size=1: the portable checkpoint refuses
@@ -90,6 +90,8 @@ def gather_worker(tp_size: int) -> dict[str, Any]:
     out = {
         "tensors": tensors,
         "objects": objects,
+        # one count per data-parallel replica: the tp ranks of a replica must not add up twice
+        "sum_of_ones": accel.all_reduce(torch.ones(()), "sum").item(),
         "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
     }
     accel.end_training()
@@ -105,3 +107,4 @@ def test_gather_for_metrics_returns_each_sample_once_under_tensor_parallelism(tp
         assert result["dp"] == ([0, 1] if tp_size == 2 else [rank, 2])
         assert sorted(result["tensors"]) == list(range(10)), result["tensors"]
         assert sorted(result["objects"]) == sorted(f"s{i}" for i in range(10))
+        assert result["sum_of_ones"] == (1 if tp_size == 2 else 2)

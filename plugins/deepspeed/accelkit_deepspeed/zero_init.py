@@ -9,17 +9,20 @@ ZeRO-3 model from the wrong weights.
 The guard makes those writes fail at once, with the fix in the message. It swaps the class of
 each partitioned parameter for :class:`GuardedParameter`, whose ``__torch_function__`` refuses
 in-place ops and ``.data`` access from user code while the parameter is partitioned, and adds a
-``load_state_dict`` pre-hook to the modules that hold them. DeepSpeed's own code passes (its
-frames are recognised), and so does anything done while the parameters are gathered
-(``deepspeed.zero.GatheredParameters``, or ``model.apply(fn)`` inside ``init_module()``, which
-DeepSpeed gathers itself). ``setup()`` restores the plain ``Parameter`` class, so training pays
-nothing.
+``load_state_dict`` pre-hook to the modules that hold them. DeepSpeed's own code passes: the
+methods DeepSpeed attaches to each parameter (``all_gather``, ``partition``, ...) are wrapped to
+run in a trusted scope, so what they do to the parameter is theirs to do. Anything done while the
+parameters are gathered passes too (``deepspeed.zero.GatheredParameters``, or ``model.apply(fn)``
+inside ``init_module()``, which DeepSpeed gathers itself). ``setup()`` restores the plain
+``Parameter`` class and DeepSpeed's own methods, so training pays nothing.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,8 +67,32 @@ def is_partitioned(param: Any) -> bool:
     return status is not None and getattr(status, "name", "") == "NOT_AVAILABLE"
 
 
-def _module_of(frame: Any) -> str:
-    return frame.f_globals.get("__name__", "") if frame is not None else ""
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def _trusted() -> Iterator[None]:
+    """A scope in which the guard lets everything through: DeepSpeed's own partition work."""
+    depth = getattr(_scope, "depth", 0)
+    _scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope.depth = depth
+
+
+def _is_trusted() -> bool:
+    return getattr(_scope, "depth", 0) > 0
+
+
+def _trusting(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _trusted():
+            return method(*args, **kwargs)
+
+    call._accelkit_wrapped = method  # type: ignore[attr-defined]
+    return call
 
 
 def _describe(param: Any) -> str:
@@ -89,20 +116,17 @@ class GuardedParameter(torch.nn.Parameter):
         out = kwargs.get("out")
         if isinstance(out, GuardedParameter) and is_partitioned(out):
             target = out
-        if isinstance(target, GuardedParameter) and is_partitioned(target):
-            _check(func, target, sys._getframe(1))
+        if isinstance(target, GuardedParameter) and not _is_trusted() and is_partitioned(target):
+            _check(func, target)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def _check(func: Any, param: Any, caller: Any) -> None:
+def _check(func: Any, param: Any) -> None:
     name = getattr(func, "__name__", "")
-    caller_module = _module_of(caller)
-    if caller_module.split(".")[0] == "deepspeed":
-        return
     if name in ("__get__", "__set__"):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        if attribute != "data" or caller_module.split(".")[0] == "torch":
+        if attribute != "data":
             return
         action = "reading .data of" if name == "__get__" else "assigning .data of"
         raise PartitionedParameterError(
@@ -132,6 +156,11 @@ def protect(module: torch.nn.Module) -> None:
     guarded = False
     for name, param in module.named_parameters(recurse=False):
         if type(param) is torch.nn.Parameter and hasattr(param, "ds_status"):
+            # DeepSpeed's per-parameter methods (all_gather, partition, ...) may touch the
+            # partitioned tensor: they run trusted until setup() hands them back unwrapped
+            for attr, value in list(vars(param).items()):
+                if callable(value) and not attr.startswith("_"):
+                    setattr(param, attr, _trusting(value))
             param.__class__ = GuardedParameter
             param._accelkit_name = f"{type(module).__name__}.{name}"
             guarded = True
@@ -151,6 +180,10 @@ def release(model: torch.nn.Module) -> int:
         for param in module.parameters(recurse=False):
             if type(param) is GuardedParameter:
                 param.__class__ = torch.nn.Parameter
+                for attr, value in list(vars(param).items()):
+                    original = getattr(value, "_accelkit_wrapped", None)
+                    if original is not None:
+                        setattr(param, attr, original)
                 count += 1
     return count
 

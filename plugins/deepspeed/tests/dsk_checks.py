@@ -72,6 +72,13 @@ def zero_init_guard() -> dict[str, Any]:
     model, opt = accel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     inner = accel.unwrap(model)
     out["class_after_setup"] = sorted({type(p).__name__ for p in inner.parameters()})
+    # DeepSpeed's own per-parameter methods are handed back as they were, unwrapped
+    out["wrapped_after_setup"] = sum(
+        hasattr(v, "_accelkit_wrapped") for p in inner.parameters() for v in vars(p).values()
+    )
+    out["all_gather_is_deepspeeds"] = all(
+        getattr(p.all_gather, "__module__", "").startswith("deepspeed") for p in inner.parameters()
+    )
     full = accel.full_state_dict(model)
     out["gathered_write"] = sorted(set(full["fc2.weight"].reshape(-1).tolist()))
     out["fc1_after_setup"] = [float(full["fc1.weight"].min()), float(full["fc1.weight"].max())]

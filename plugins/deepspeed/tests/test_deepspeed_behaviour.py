@@ -44,6 +44,7 @@ def test_the_documented_fix_works_and_setup_lifts_the_guard(guard):
     assert guard["requires_grad_"] is None  # changes no values: allowed
     assert guard["gathered_write"] == [0.5]  # written under GatheredParameters(modifier_rank=0)
     assert guard["class_after_setup"] == ["Parameter"]
+    assert guard["wrapped_after_setup"] == 0 and guard["all_gather_is_deepspeeds"]
     assert guard["stepped"] is True
 
 
