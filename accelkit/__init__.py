@@ -30,6 +30,7 @@ _LAZY = {
     "AccelkitError": "accelkit.errors",
     "BackendNotFoundError": "accelkit.errors",
     "CheckpointError": "accelkit.errors",
+    "PartialLoadError": "accelkit.errors",
     "ConfigError": "accelkit.errors",
     "DistributedError": "accelkit.errors",
     "PluginMissingError": "accelkit.errors",
@@ -53,6 +54,7 @@ __all__ = [
     "AccelkitError",
     "BackendNotFoundError",
     "CheckpointError",
+    "PartialLoadError",
     "ConfigError",
     "DistributedError",
     "PluginMissingError",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
         CheckpointError,
         ConfigError,
         DistributedError,
+        PartialLoadError,
         PluginMissingError,
         UnsupportedError,
     )

@@ -359,10 +359,26 @@ class Backend:
         return dense_fragments(self, state)
 
     def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
-        """Fill this rank's pieces of the objects in ``state`` from any checkpoint."""
+        """Fill this rank's pieces of the objects in ``state`` from any checkpoint.
+
+        Runs after :meth:`check_load` passed on every rank and every fragment's checksum was
+        verified, so only an I/O error should fail here."""
         from accelkit.checkpoint.fragments import load_dense_fragments
 
         load_dense_fragments(self, reader, state)
+
+    def check_load(self, reader: Any, state: dict[str, Any]) -> None:
+        """Hook: raise :class:`~accelkit.errors.CheckpointError` if :meth:`load_fragments`
+        would not fit the models and optimizers of ``state``, writing nothing.
+
+        The load's validate phase: keys (the ``strict`` rule), full shapes, each optimizer's
+        param groups, hyperparameter types and state keys. The default checks the tensors
+        :func:`~accelkit.checkpoint.fqn.module_tensors` lists with their ``shape`` (a
+        DTensor's is global) and the torch optimizers. A backend whose live tensors hide their
+        full shape passes its own to :func:`~accelkit.checkpoint.validate.check_dense_load`."""
+        from accelkit.checkpoint.validate import check_dense_load
+
+        check_dense_load(self, reader, state)
 
     def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         """``accel.save(..., format="native")``: the backend library's own checkpoint format."""

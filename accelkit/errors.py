@@ -32,5 +32,10 @@ class CheckpointError(AccelkitError, RuntimeError):
     """A checkpoint is missing, incomplete, tampered with, or does not fit the target."""
 
 
+class PartialLoadError(CheckpointError):
+    """A load failed after it began writing (an I/O error mid-read): the objects hold a mix of
+    old and loaded values and must not be trained. Every other load error changes nothing."""
+
+
 class DistributedError(AccelkitError, RuntimeError):
     """A collective could not complete: a rank skipped it, stalled, or died."""

@@ -36,7 +36,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.1"
+SDK_VERSION = "1.2"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -94,6 +94,8 @@ _SOURCES: dict[str, str] = {
     "ReplicaPlanner": "accelkit.checkpoint.sharded",
     "Slot": "accelkit.checkpoint.sharded",
     "check_shape": "accelkit.checkpoint.sharded",
+    "check_dense_load": "accelkit.checkpoint.validate",
+    "check_optimizer": "accelkit.checkpoint.validate",
     "classify_state": "accelkit.checkpoint.sharded",
     "fill_tensor": "accelkit.checkpoint.sharded",
     "group_scalar": "accelkit.checkpoint.sharded",
@@ -153,6 +155,7 @@ _SOURCES: dict[str, str] = {
     "AccelkitError": "accelkit.errors",
     "BackendNotFoundError": "accelkit.errors",
     "CheckpointError": "accelkit.errors",
+    "PartialLoadError": "accelkit.errors",
     "ConfigError": "accelkit.errors",
     "DistributedError": "accelkit.errors",
     "PluginMissingError": "accelkit.errors",
@@ -209,6 +212,8 @@ __all__ = [
     "ReplicaPlanner",
     "Slot",
     "check_shape",
+    "check_dense_load",
+    "check_optimizer",
     "classify_state",
     "fill_tensor",
     "group_scalar",
@@ -265,6 +270,7 @@ __all__ = [
     "AccelkitError",
     "BackendNotFoundError",
     "CheckpointError",
+    "PartialLoadError",
     "ConfigError",
     "DistributedError",
     "PluginMissingError",
@@ -345,6 +351,7 @@ if TYPE_CHECKING:
         tensor_fragments,
         weights_entry,
     )
+    from accelkit.checkpoint.validate import check_dense_load, check_optimizer
     from accelkit.checkpoint.writer import agree
     from accelkit.config import build_options, closest, load_config_source, options_as_dict
     from accelkit.distributed import (
@@ -359,6 +366,7 @@ if TYPE_CHECKING:
         CheckpointError,
         ConfigError,
         DistributedError,
+        PartialLoadError,
         PluginMissingError,
         UnsupportedError,
     )

@@ -22,7 +22,6 @@ from typing import Any
 
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint import storage
-from accelkit.checkpoint.codec import decode
 from accelkit.checkpoint.fqn import canonical_fqn
 from accelkit.checkpoint.fragments import (
     Fragment,
@@ -31,10 +30,11 @@ from accelkit.checkpoint.fragments import (
     dense_fragments,
     load_dense_fragments,
 )
-from accelkit.checkpoint.manifest import BACKEND_OBJECT, FORMAT_VERSION, Manifest, TensorEntry
+from accelkit.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from accelkit.checkpoint.reader import CheckpointReader
+from accelkit.checkpoint.validate import Sections, read_sections, verify_share
 from accelkit.checkpoint.writer import agree, backend_of, save
-from accelkit.errors import CheckpointError
+from accelkit.errors import CheckpointError, PartialLoadError
 
 log = logging.getLogger("accelkit")
 
@@ -77,7 +77,13 @@ def load(
     With ``strict``, names in ``state`` missing from the checkpoint, and tensors missing on
     either side, raise :class:`~accelkit.errors.CheckpointError` listing all of them.
     ``rng`` restores this rank's RNG state (exact when the world size is unchanged).
-    ``verify`` checks each fragment's SHA-256 the first time it is read.
+    ``verify`` checks every fragment's checksum before anything is written.
+
+    All or nothing: everything is validated first (manifest, files, checksums, keys, shapes,
+    optimizer state keys, hyperparameter and section types) on every rank, and nothing live is
+    written unless every rank passed; a failure there raises
+    :class:`~accelkit.errors.CheckpointError` and changes nothing. Only an I/O error during the
+    writes can leave objects partly loaded: that raises :class:`~accelkit.errors.PartialLoadError`.
     """
     backend = backend_of(accel)
     unconsumed: dict[str, Any] = {}
@@ -101,6 +107,27 @@ def _load(
 def _load_from(
     backend: Any, reader: CheckpointReader, state: dict[str, Any], *, rng: bool
 ) -> dict[str, Any]:
+    """Validate everything (no live object is touched), agree across ranks, then commit."""
+    error: BaseException | None = None
+    try:
+        tensor_state, sections = _validate(backend, reader, state, rng=rng)
+    except Exception as err:
+        error = err
+    agree(error, f"loading {reader.directory}")  # no rank writes unless every rank validated
+    try:
+        return _commit(backend, reader, state, tensor_state, sections, rng=rng)
+    except Exception as err:
+        raise PartialLoadError(
+            f"loading {reader.directory} failed after it began writing ({type(err).__name__}: "
+            f"{err}). The models, optimizers and schedulers of the state now hold a mix of old "
+            "and loaded values: do not train them; load a checkpoint again (this one once the "
+            "cause is fixed, or an older one)."
+        ) from err
+
+
+def _validate(
+    backend: Any, reader: CheckpointReader, state: dict[str, Any], *, rng: bool
+) -> tuple[dict[str, Any], Sections]:
     objects = classify_state(state)
     saved = reader.manifest.objects
     missing = [name for name in state if name not in saved]
@@ -119,34 +146,41 @@ def _load_from(
                 )
         if name in objects.modules or name in objects.optimizers:
             tensor_state[name] = obj
+    reader.check_headers()
+    if reader.verify:  # every fragment checked once, the work split over the ranks
+        verify_share(reader, backend.rank, backend.world_size)
+    if tensor_state:
+        backend.check_load(reader, tensor_state)
+    sections = read_sections(backend, reader, state, rng=rng)
+    return tensor_state, sections
+
+
+def _commit(
+    backend: Any,
+    reader: CheckpointReader,
+    state: dict[str, Any],
+    tensor_state: dict[str, Any],
+    sections: Sections,
+    *,
+    rng: bool,
+) -> dict[str, Any]:
+    objects = classify_state(state)
+    reader.trust_verified()  # the validate phase checked every fragment (or verify=False)
     if tensor_state:
         backend.load_fragments(reader, tensor_state)
-    reader.finish()  # background checksums of what was read straight into place
-
+    reader.finish()
     for group in (objects.schedulers, objects.statefuls):
         for name, obj in group.items():
-            if name not in saved:
-                continue
-            info = saved[name]
-            if "state" not in info:
-                raise CheckpointError(
-                    f"{reader.manifest_path}: {name!r} is a {info.get('type')} in the "
-                    "checkpoint and has no state to load into a stateful object"
-                )
-            obj.load_state_dict(decode(info["state"], reader.tensor_source(name, "state")))
-    extras = reader.extras()
+            if name in sections.states:
+                obj.load_state_dict(sections.states[name])
     for name in objects.extras:
-        if name in extras:
-            state[name] = extras[name]
-    backend_state = reader.manifest.data.get("backend_state")
-    if backend_state:
-        backend.load_state_dict(
-            decode(backend_state, reader.tensor_source(BACKEND_OBJECT, "state"))
-        )
+        if name in sections.extras:
+            state[name] = sections.extras[name]
+    if sections.backend_state is not None:
+        backend.load_state_dict(sections.backend_state)
     if rng:
-        saved_rng = reader.rng(backend.rank)
-        if saved_rng is not None:
-            rng_io.restore(*saved_rng)
+        if sections.rng is not None:
+            rng_io.restore(*sections.rng)
             if reader.manifest.world_size != backend.world_size:
                 log.warning(
                     "restored rank %d's RNG state from a checkpoint of world size %d (now %d): "
@@ -157,15 +191,4 @@ def _load_from(
                 )
         elif reader.manifest.data.get("rng"):
             log.warning("rank %d: the checkpoint has no RNG state for this rank", backend.rank)
-
-    unconsumed: dict[str, Any] = {}
-    for name, info in saved.items():
-        if name in state:
-            continue
-        kind = info.get("type")
-        if kind == "extra" and name in extras:
-            unconsumed[name] = extras[name]
-        elif kind in ("scheduler", "stateful"):
-            unconsumed[name] = decode(info["state"], reader.tensor_source(name, "state"))
-    reader.finish()
-    return unconsumed
+    return sections.unconsumed

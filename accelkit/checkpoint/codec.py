@@ -88,7 +88,7 @@ def decode(data: Any, tensors: TensorSource | None = None) -> Any:
         if tag == "__dict__":
             return {_hashable(decode(k)): decode(v, tensors) for k, v in inner}
         if tag == "__bytes__":
-            return base64.b64decode(inner)
+            return base64.b64decode(inner, validate=True)
         if tag == "__float__":
             return float(inner)
         if tag in ("__tensor__", "__ndarray__"):

@@ -655,17 +655,25 @@ def load_param_states(
     holds: Callable[[Any], bool] | None = None,
     make: Callable[[Any, str, TensorEntry, dict[str, Any]], torch.Tensor] | None = None,
 ) -> None:
-    """Fill the per-parameter ``state`` (an optimizer's ``state``) of the parameters of ``groups``
-    that this rank ``holds`` (default all) from what ``saved`` names for them: each tensor into
+    """Replace the per-parameter ``state`` (an optimizer's ``state``) of the parameters of
+    ``groups`` that this rank ``holds`` (default all) with what ``saved`` names for them (none
+    saved: none kept, as torch's ``load_state_dict``): each tensor into
     the state's own where it has one of the saved shape, else into a new one from ``make(param,
     key, entry, group)`` (default :func:`state_like`); each JSON scalar decoded."""
     make = make or state_like
     for group, pnames in zip(groups, saved.names):
         for p, pname in zip(group["params"], pnames):
+            if holds is not None and not holds(p):
+                continue
             entries, scalars = saved.per_param.get(pname, {}), saved.scalars.get(pname, {})
-            if (not entries and not scalars) or (holds is not None and not holds(p)):
+            # as torch's load_state_dict: the checkpoint's state replaces the live one, so a
+            # parameter without saved state has none after the load, and no stale key survives
+            if not entries and not scalars:
+                state.pop(p, None)
                 continue
             param_state = state[p]
+            for key in [k for k in param_state if k not in entries and k not in scalars]:
+                del param_state[key]
             for key, entry in entries.items():
                 target = param_state.get(key)
                 if not isinstance(target, torch.Tensor) or tuple(target.shape) != entry.shape:

@@ -117,8 +117,10 @@ class TensorEntry:
 
 
 def canonical_bytes(data: dict[str, Any]) -> bytes:
+    """What the checksum covers. NaN is allowed here only so that a crafted manifest holding one
+    reaches the type checks, which name the field (a writer never writes NaN)."""
     body = {k: v for k, v in data.items() if k != "checksum"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
 @dataclass
@@ -162,11 +164,18 @@ class Manifest:
             raise CheckpointError(f"{path}: unreadable manifest: {err}") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not an accelkit checkpoint manifest")
-        version = str(data.get("format_version", "?"))
-        if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+        version = data.get("format_version")
+        if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
             raise CheckpointError(
-                f"{path}: format version {version} is not readable by this accelkit (reads "
-                f"{FORMAT_VERSION.split('.')[0]}.x); upgrade accelkit"
+                f"{path}: field 'format_version' is {version!r}, not a version 'major.minor'; "
+                "the manifest is malformed"
+            )
+        if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
+            newer = int(version.split(".")[0]) > int(FORMAT_VERSION.split(".")[0])
+            raise CheckpointError(
+                f"{path}: field 'format_version' is {version}: not readable by this accelkit (reads "
+                f"{FORMAT_VERSION.split('.')[0]}.x)"
+                + ("; upgrade accelkit" if newer else "; convert it with an older accelkit")
             )
         if verify_checksum:
             expected = data.get("checksum")
@@ -176,10 +185,8 @@ class Manifest:
                     f"{path}: manifest checksum mismatch (stored {expected}, computed {actual}); "
                     "the manifest was modified or corrupted"
                 )
-        try:
-            tensors = [TensorEntry.from_json(t) for t in data.get("tensors", [])]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path}: malformed tensor entry: {err!r}") from err
+        check_schema(data, path)
+        tensors = [TensorEntry.from_json(t) for t in data["tensors"]]
         manifest = cls(data, tensors, Path(directory))
         manifest.validate()
         return manifest
@@ -197,12 +204,14 @@ class Manifest:
                 )
         seen_labels: set[str] = set()
         seen_keys: set[tuple[str, str]] = set()
+        # bytes each file must hold: a crafted shape cannot make a reader allocate more than the
+        # files the checkpoint really has
+        bytes_used: dict[str, int] = {}
         for entry in self.tensors:
+            element = ELEMENT_SIZES[entry.dtype]
             if entry.label in seen_labels:
                 raise CheckpointError(f"{where}: tensor {entry.label} is listed twice")
             seen_labels.add(entry.label)
-            if any(s < 0 for s in entry.shape):
-                raise CheckpointError(f"{where}: tensor {entry.label} has shape {entry.shape}")
             position = 0
             for frag in sorted(entry.fragments, key=lambda f: f.flat_offset):
                 if frag.file not in files:
@@ -228,8 +237,91 @@ class Manifest:
                         f"position {position}; the fragments do not tile the tensor"
                     )
                 position += frag.numel
+                bytes_used[frag.file] = bytes_used.get(frag.file, 0) + frag.numel * element
+                size = files[frag.file].get("bytes")
+                if size is not None and bytes_used[frag.file] > size:
+                    raise CheckpointError(
+                        f"{where}: tensor {entry.label} (shape {list(entry.shape)}) does not fit "
+                        f"in {frag.file}: the tensors placed there need {bytes_used[frag.file]} "
+                        f"bytes, the file has {size}; the shapes in the manifest are not what was "
+                        "saved"
+                    )
             if position != entry.numel:
                 raise CheckpointError(
                     f"{where}: tensor {entry.label}: fragments cover {position} of "
                     f"{entry.numel} elements (shape {list(entry.shape)})"
                 )
+
+
+def _element_sizes() -> dict[str, int]:
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+
+    return {name: dtype.itemsize for name, dtype in DTYPES_BY_NAME.items()}
+
+
+#: bytes per element of every dtype a manifest may name
+ELEMENT_SIZES = _element_sizes()
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def _field(where: Path, name: str, value: Any, expected: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: field {name!r} is {str(value)[:80]!r}, expected {expected}; the manifest is "
+        "malformed (crafted or damaged), so nothing was loaded"
+    )
+
+
+def _int(where: Path, name: str, value: Any, *, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _field(where, name, value, f"an integer >= {minimum}")
+
+
+def check_schema(data: dict[str, Any], where: Path) -> None:
+    """Type-check every manifest field a reader relies on, naming the field and the file."""
+    _int(where, "world_size", data.get("world_size"), minimum=1)
+    for name in ("step", "applied_steps"):
+        if data.get(name) is not None:
+            _int(where, name, data[name])
+    for name, kind in (("files", dict), ("objects", dict), ("tensors", list)):
+        if not isinstance(data.get(name), kind):
+            raise _field(where, name, data.get(name), f"a JSON {kind.__name__}")
+    for name, info in data["files"].items():
+        if not isinstance(info, dict):
+            raise _field(where, f"files.{name}", info, "an object")
+        if "bytes" in info:
+            _int(where, f"files.{name}.bytes", info["bytes"])
+    for name, info in data["objects"].items():
+        if not isinstance(info, dict) or not isinstance(info.get("type"), str):
+            raise _field(where, f"objects.{name}", info, "an object with a string 'type'")
+    for field_name in ("backend_state", "rng"):
+        if not isinstance(data.get(field_name, {}), dict):
+            raise _field(where, field_name, data.get(field_name), "a JSON object")
+    for i, t in enumerate(data["tensors"]):
+        label = f"tensors[{i}]"
+        if not isinstance(t, dict):
+            raise _field(where, label, t, "an object")
+        for key in ("object", "fqn", "kind"):
+            if not isinstance(t.get(key), str):
+                raise _field(where, f"{label}.{key}", t.get(key), "a string")
+        label = f"tensors[{i}] ({t['object']}:{t['kind']}:{t['fqn']})"
+        if t.get("dtype") not in ELEMENT_SIZES:
+            raise _field(where, f"{label}.dtype", t.get("dtype"), "a known dtype name")
+        shape = t.get("shape")
+        if not isinstance(shape, list):
+            raise _field(where, f"{label}.shape", shape, "a list of integers >= 0")
+        for n in shape:
+            _int(where, f"{label}.shape", n)
+        fragments = t.get("fragments")
+        if not isinstance(fragments, list):
+            raise _field(where, f"{label}.fragments", fragments, "a list")
+        for j, f in enumerate(fragments):
+            at = f"{label}.fragments[{j}]"
+            if not isinstance(f, dict):
+                raise _field(where, at, f, "an object")
+            for key in ("file", "key"):
+                if not isinstance(f.get(key), str):
+                    raise _field(where, f"{at}.{key}", f.get(key), "a string")
+            _int(where, f"{at}.flat_offset", f.get("flat_offset"))
+            _int(where, f"{at}.numel", f.get("numel"), minimum=1)
+            if not isinstance(f.get("sha256"), str) or not _SHA.fullmatch(f["sha256"]):
+                raise _field(where, f"{at}.sha256", f.get("sha256"), "64 lowercase hex digits")

@@ -143,13 +143,20 @@ class CheckpointReader:
         return f"; it holds tensors {shown}"
 
     def check_files(self) -> None:
-        """Every file the manifest lists exists with the recorded size (a truncated or missing
-        rank file fails here, before any tensor is touched)."""
+        """Every file the manifest lists exists inside the checkpoint directory with the
+        recorded size (a truncated, missing or redirected rank file fails here, before any
+        tensor is touched)."""
+        root = self.directory.resolve()
         for name, info in self.manifest.files.items():
             path = self.directory / name
             if not path.is_file():
                 raise CheckpointError(
                     f"{path}: file missing from the checkpoint{self._holds(name)}"
+                )
+            if not path.resolve().is_relative_to(root):
+                raise CheckpointError(
+                    f"{path}: a link to {path.resolve()}, outside the checkpoint directory; "
+                    "refusing to read it (copy the file into the checkpoint instead)"
                 )
             size = path.stat().st_size
             if "bytes" in info and size != int(info["bytes"]):
@@ -157,6 +164,17 @@ class CheckpointReader:
                     f"{path}: {size} bytes, the manifest says {info['bytes']} (truncated or "
                     f"replaced){self._holds(name)}"
                 )
+
+    def check_headers(self) -> None:
+        """Every fragment's key, dtype, shape and byte range agree with its file's header."""
+        for entry in self.manifest.tensors:
+            for frag in entry.fragments:
+                self._locate(entry, frag)
+
+    def trust_verified(self) -> None:
+        """Read on without hashing: every fragment was verified already (the load's validate
+        phase split that over the ranks), or the caller passed ``verify=False``."""
+        self.verify = False
 
     def _file(self, name: str) -> _RankFile:
         rank_file = self._files.get(name)
@@ -167,7 +185,7 @@ class CheckpointReader:
             header, data_start = read_header(path)
             size = path.stat().st_size
             fd = os.open(path, os.O_RDONLY)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, UnicodeDecodeError, TypeError) as err:
             raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
         rank_file = _RankFile(fd, header, data_start, size)
         self._files[name] = rank_file
@@ -478,19 +496,35 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{path}: checksum mismatch (expected {info.get('sha256')}, got {digest})"
             )
-        data = json.loads(raw)
-        source = self.tensor_source(EXTRA_OBJECT, "extra")
-        return {k: decode(v, source) for k, v in data["extras"].items()}
+        try:
+            data = json.loads(raw)
+            source = self.tensor_source(EXTRA_OBJECT, "extra")
+            return {k: decode(v, source) for k, v in data["extras"].items()}
+        except CheckpointError:
+            raise
+        except Exception as err:  # checksummed, yet malformed: a crafted file
+            raise CheckpointError(
+                f"{path}: malformed extras ({type(err).__name__}: {err})"
+            ) from err
 
     def rng(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """The RNG state rank ``rank`` saved, or None."""
         record = self.manifest.data.get("rng", {}).get(str(rank))
         if record is None:
             return None
+        where = f"{self.manifest_path}: field 'rng.{rank}'"
+        if not isinstance(record, dict) or not isinstance(record.get("tensors", []), list):
+            raise CheckpointError(f"{where} is malformed")
         tensors = {}
         for name in record.get("tensors", []):
-            tensors[name] = self.read_named(f"{RNG_OBJECT}.{rank}", "rng", name)
-        return tensors, decode(record.get("scalars", {}))
+            tensors[name] = self.read_named(f"{RNG_OBJECT}.{rank}", "rng", str(name))
+        try:
+            scalars = decode(record.get("scalars", {}))
+        except Exception as err:
+            raise CheckpointError(f"{where} cannot be decoded ({err})") from err
+        if not isinstance(scalars, dict):
+            raise CheckpointError(f"{where}: 'scalars' is not an object")
+        return tensors, scalars
 
     def verify_all(self, progress: Any = None) -> list[str]:
         """Check every fragment's checksum (in parallel); return the problems (empty: intact)."""

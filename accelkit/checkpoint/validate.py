@@ -1,0 +1,306 @@
+"""Validate, then commit: what a load checks before it writes to any live object.
+
+A load that fails must leave the model, optimizer, scheduler, loaders and RNG as they were, or a
+user who catches the error (or an auto-resume that falls back to an older checkpoint) trains a
+corrupted model. So :func:`accelkit.checkpoint.load` runs in two phases:
+
+1. **validate** (this module; nothing live is written): the manifest's schema and every rank
+   file's size, place and header (at open); every fragment's checksum, the work split over the
+   ranks; every target's key and shape, each optimizer's param groups, hyperparameters and
+   per-parameter state keys (the backend's :meth:`~accelkit.backend.Backend.check_load`); the
+   scheduler, stateful, extras, backend and RNG sections, decoded and type-checked against the
+   live objects. Every rank learns whether any rank failed before any rank writes.
+2. **commit**: the backend fills its tensors from fragments already verified, then the decoded
+   sections are applied. Only an I/O error can still fail here; it raises
+   :class:`~accelkit.errors.PartialLoadError`, which says the objects must not be trained.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from accelkit.checkpoint.codec import decode
+from accelkit.checkpoint.fqn import module_tensors, user_module
+from accelkit.checkpoint.fragments import (
+    classify_state,
+    match_module_entries,
+    param_group_names,
+    param_owners,
+    weights_entry,
+)
+from accelkit.checkpoint.manifest import BACKEND_OBJECT
+from accelkit.errors import CheckpointError
+
+
+# ---- checksums, split over the ranks ------------------------------------------------------------
+def verify_share(reader: Any, rank: int, world: int, workers: int = 4) -> None:
+    """Check the checksums of this rank's share of all fragments (every ``world``-th one, from
+    ``rank``), several at once; raise naming the first that failed and how many did."""
+    jobs = [(entry, i) for entry in reader.manifest.tensors for i in range(len(entry.fragments))][
+        rank::world
+    ]
+    if not jobs:
+        return
+    problems: list[CheckpointError] = []
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        for future in [pool.submit(reader.verify_fragment, e, i) for e, i in jobs]:
+            try:
+                future.result()
+            except CheckpointError as err:
+                problems.append(err)
+    if problems:
+        more = f" ({len(problems) - 1} more fragments failed too)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{problems[0]}{more}; nothing was loaded")
+
+
+# ---- modules and torch optimizers (the default Backend.check_load) -----------------------------
+def check_dense_load(
+    backend: Any,
+    reader: Any,
+    state: dict[str, Any],
+    shape_of: Callable[[Any], tuple[int, ...]] | None = None,
+) -> None:
+    """Check what the dense loader will fill, without writing: each module's keys (the
+    ``strict`` rule) and shapes, then each torch optimizer (:func:`check_optimizer`).
+    ``shape_of`` gives a live tensor's full shape (default ``tensor.shape``: a DTensor's is
+    global)."""
+    shape_of = shape_of or (lambda t: tuple(t.shape))
+    objects = classify_state(state)
+    for name, module in objects.modules.items():
+        inner = user_module(module, backend)
+        for entry, target, _is_param in match_module_entries(reader, name, module_tensors(inner)):
+            source = weights_entry(reader, name, entry)
+            for saved in {id(entry): entry, id(source): source}.values():
+                if tuple(saved.shape) != shape_of(target):
+                    raise CheckpointError(
+                        f"tensor {saved.label}: the checkpoint ({reader.manifest_path}) has shape "
+                        f"{list(saved.shape)}, the target has {list(shape_of(target))}; "
+                        "nothing was loaded"
+                    )
+            if getattr(target, "device", None) is not None and target.device.type == "meta":
+                raise CheckpointError(
+                    f"tensor {entry.label}: the target is on the meta device; materialize the "
+                    "model (to_empty) before loading"
+                )
+    owners = param_owners(objects.modules, backend)
+    for name, opt in objects.optimizers.items():
+        groups = opt.param_groups
+        names, _ = param_group_names(
+            [g["params"] for g in groups], owners, primary=_primary(reader, name)
+        )
+        check_optimizer(reader, name, groups, names, opt.state)
+
+
+def _primary(reader: Any, name: str) -> Any:
+    info = reader.manifest.objects.get(name) or {}
+    return info.get("model")
+
+
+def check_optimizer(
+    reader: Any,
+    name: str,
+    groups: list[dict[str, Any]],
+    group_names: list[list[str]],
+    live_state: dict[Any, dict[str, Any]] | None = None,
+) -> None:
+    """An optimizer's saved record against the live one, without writing: the same parameters
+    group by group, hyperparameters of the live types (finite numbers where numbers are), and,
+    under ``strict``, per-parameter state with no entry missing or extra."""
+    info = reader.object_info(name, "optimizer")
+    saved_groups = info.get("param_groups")
+    where = f"optimizer {name!r} in {reader.manifest_path}"
+    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
+        raise CheckpointError(f"{where}: field 'param_groups' is not a list of objects")
+    if len(saved_groups) != len(groups):
+        reader.check_keys(
+            f"optimizer {name!r}",
+            [],
+            [],
+            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(groups)}",
+        )
+    target_all = {n for names in group_names for n in names}
+    saved_all = {n for g in saved_groups for n in g.get("params", [])}
+    reader.check_keys(
+        f"optimizer {name!r} parameters",
+        sorted(target_all - saved_all),
+        sorted(saved_all - target_all),
+    )
+    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if set(saved.get("params", [])) != set(group_names[index]):
+            reader.check_keys(
+                f"optimizer {name!r}",
+                [],
+                [],
+                extra=f"param group {index} holds different parameters in the checkpoint",
+            )
+        for key, value in saved.items():
+            if key != "params" and key in group:
+                check_value(
+                    f"{where}: param group {index} {key!r}", _decoded(value, where), group[key]
+                )
+    _check_state_keys(reader, name, where, groups, group_names, live_state)
+
+
+def _decoded(value: Any, where: str) -> Any:
+    try:
+        return decode(value)
+    except Exception as err:
+        raise CheckpointError(f"{where}: cannot decode {value!r}: {err}") from err
+
+
+def _check_state_keys(
+    reader: Any,
+    name: str,
+    where: str,
+    groups: list[dict[str, Any]],
+    group_names: list[list[str]],
+    live_state: dict[Any, dict[str, Any]] | None,
+) -> None:
+    """Every parameter the checkpoint has state for has the same state keys (those of the live
+    optimizer where it has state already): a missing ``exp_avg`` would mix old and new state."""
+    tensors = reader.optimizer_entries(name)
+    scalars = (reader.manifest.objects.get(name) or {}).get("scalar_state", {}) or {}
+    if not isinstance(scalars, dict):
+        raise CheckpointError(f"{where}: field 'scalar_state' is not an object")
+    saved_keys = {
+        pname: set(tensors.get(pname, {})) | set(scalars.get(pname, {}) or {})
+        for names in group_names
+        for pname in names
+    }
+    with_state = {p: k for p, k in saved_keys.items() if k}
+    if not with_state:
+        return  # saved before the first step: the load clears the live state, as torch does
+    live_keys: set[str] = set()
+    for group in groups:
+        for p in group["params"]:
+            live_keys |= set((live_state or {}).get(p, {}) or {})
+    expected = live_keys or set.union(*with_state.values())
+    problems = []
+    for pname, keys in saved_keys.items():
+        if not keys:
+            continue  # a parameter that never had a gradient keeps no state (torch does this)
+        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        if missing:
+            problems.append(f"{pname} lacks {', '.join(missing)}")
+        if extra and live_keys:
+            problems.append(f"{pname} has {', '.join(extra)}, which this optimizer does not keep")
+    if problems:
+        reader.check_keys(f"optimizer {name!r} state", [], [], extra="; ".join(problems[:8]))
+
+
+# ---- JSON sections -------------------------------------------------------------------------------
+def check_value(where: str, saved: Any, live: Any) -> None:
+    """A saved value fits where a live one of ``live``'s type is: numbers finite and numeric,
+    booleans boolean, strings strings, sequences of the same length, dicts key by key."""
+    if isinstance(live, bool):
+        if not isinstance(saved, bool):
+            raise _bad(where, saved, "true or false")
+    elif isinstance(live, (int, float)) or (
+        isinstance(live, torch.Tensor) and live.numel() == 1 and live.is_floating_point()
+    ):
+        if isinstance(saved, bool) or not isinstance(saved, (int, float)):
+            raise _bad(where, saved, "a number")
+        if isinstance(saved, float) and not math.isfinite(saved) and math.isfinite(_num(live)):
+            raise _bad(where, saved, "a finite number")
+    elif isinstance(live, str):
+        if not isinstance(saved, str):
+            raise _bad(where, saved, "a string")
+    elif isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            raise _bad(where, saved, f"a list of {len(live)}")
+        for i, (s, v) in enumerate(zip(saved, live)):
+            check_value(f"{where}[{i}]", s, v)
+    elif isinstance(live, dict):
+        if not isinstance(saved, dict):
+            raise _bad(where, saved, "an object")
+        for key in saved.keys() & live.keys():
+            check_value(f"{where}[{key!r}]", saved[key], live[key])
+
+
+def _num(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _bad(where: str, saved: Any, expected: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where} is {str(saved)[:60]!r} in the checkpoint, expected {expected}; nothing was loaded"
+    )
+
+
+@dataclass
+class Sections:
+    """The decoded non-tensor sections of a checkpoint, ready to apply once tensors are in."""
+
+    states: dict[str, Any] = field(default_factory=dict)  # scheduler / stateful name -> state
+    extras: dict[str, Any] = field(default_factory=dict)
+    backend_state: dict[str, Any] | None = None
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+    unconsumed: dict[str, Any] = field(default_factory=dict)
+
+
+def read_sections(backend: Any, reader: Any, state: dict[str, Any], *, rng: bool) -> Sections:
+    """Decode every non-tensor section this load will apply, checking schedulers' and the
+    backend's state against the live objects' own (keys of the same types, finite numbers)."""
+    objects = classify_state(state)
+    saved = reader.manifest.objects
+    out = Sections()
+    for group in (objects.schedulers, objects.statefuls):
+        for name, obj in group.items():
+            if name not in saved:
+                continue
+            info = saved[name]
+            if "state" not in info:
+                raise CheckpointError(
+                    f"{reader.manifest_path}: {name!r} is a {info.get('type')} in the "
+                    "checkpoint and has no state to load into a stateful object"
+                )
+            value = _section(reader, name, info["state"])
+            if name in objects.schedulers:
+                _check_against(reader, f"scheduler {name!r}", value, obj.state_dict())
+            out.states[name] = value
+    out.extras = reader.extras()
+    backend_state = reader.manifest.data.get("backend_state")
+    if backend_state:
+        out.backend_state = _section(reader, BACKEND_OBJECT, backend_state)
+        _check_against(reader, "backend state", out.backend_state, backend.state_dict())
+    if rng:
+        out.rng = reader.rng(backend.rank)
+    for name, info in saved.items():
+        if name in state:
+            continue
+        kind = info.get("type")
+        if kind == "extra" and name in out.extras:
+            out.unconsumed[name] = out.extras[name]
+        elif kind in ("scheduler", "stateful") and "state" in info:
+            out.unconsumed[name] = _section(reader, name, info["state"])
+    return out
+
+
+def _section(reader: Any, name: str, data: Any) -> Any:
+    try:
+        return decode(data, reader.tensor_source(name, "state"))
+    except CheckpointError:
+        raise
+    except Exception as err:  # bad base64, a malformed tag: name the object and the file
+        raise CheckpointError(
+            f"{reader.manifest_path}: the state of {name!r} cannot be decoded "
+            f"({type(err).__name__}: {err}); nothing was loaded"
+        ) from err
+
+
+def _check_against(reader: Any, what: str, saved: Any, live: Any) -> None:
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{reader.manifest_path}: the state of {what} is a {type(saved).__name__}, not an "
+            "object; nothing was loaded"
+        )
+    if isinstance(live, dict):
+        for key in saved.keys() & live.keys():
+            check_value(f"{reader.manifest_path}: {what} {key!r}", saved[key], live[key])

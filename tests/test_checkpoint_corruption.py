@@ -1,0 +1,74 @@
+"""A failed load changes nothing: 60+ damaged or crafted checkpoints on ``cpu`` and on ``ddp``
+(2 processes). For every case the load must raise ``CheckpointError`` naming the file and the
+tensor or field, and leave model, optimizer, scheduler, loader position, extras and RNG bit for
+bit as they were; the good checkpoint (the control) must load and change them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from corruption_cases import make_cases, run_case
+
+import accelkit
+from accelkit.testing import run_ranks
+
+HERE = Path(__file__).parent
+#: the issue asks for at least 60 damaged checkpoints
+MIN_CASES = 60
+
+
+def _check(results: dict[str, dict], where: str) -> None:
+    control = results.pop("good")
+    assert control["raised"] is None, f"{where}: the good checkpoint failed: {control['message']}"
+    assert "model" in control["changed"] and "optimizer" in control["changed"], control
+    changed = {n: r["changed"] for n, r in results.items() if r["changed"]}
+    print(
+        f"\n{where}: {len(results)} damaged checkpoints, {len(results) - len(changed)} refused "
+        f"with nothing changed, {len(changed)} changed state"
+    )
+    assert len(results) >= MIN_CASES
+    not_raised = [n for n, r in results.items() if r["raised"] is None]
+    assert not not_raised, f"{where}: loaded without an error: {not_raised}"
+    wrong_class = {n: r["raised"] for n, r in results.items() if r["raised"] != "CheckpointError"}
+    assert not wrong_class, f"{where}: not a CheckpointError: {wrong_class}"
+    assert not changed, f"{where}: a failed load changed the live state: {changed}"
+    unnamed = {n: r["message"][:300] for n, r in results.items() if not r["named"]}
+    assert not unnamed, f"{where}: the message does not name the file and tensor/field: {unnamed}"
+
+
+@pytest.fixture(scope="module")
+def cpu_results(tmp_path_factory) -> dict[str, dict]:
+    from corruption_cases import build
+
+    root = tmp_path_factory.mktemp("corrupt")
+    accel = accelkit.get("cpu", seed=0)
+    good = root / "good"
+    accel.save(good, build(accel, seed=1, steps=5))
+    results = {
+        name: run_case(accel, Path(directory), words, seed=2)
+        for name, (directory, words) in make_cases(good, root / "cases").items()
+    }
+    results["good"] = run_case(accel, good, [], seed=2)
+    return results
+
+
+def test_every_failed_load_on_cpu_changes_nothing_and_names_the_problem(cpu_results):
+    _check(dict(cpu_results), "cpu")
+
+
+def test_the_suite_covers_each_kind_of_damage(cpu_results):
+    names = " | ".join(cpu_results)
+    for kind in ("flip model:param", "flip optimizer:optim:exp_avg", "truncated rank-", "grown",
+                 "missing rank-", "redirected", "shape model", "dtype model", "key model",
+                 "missing exp_avg", "extra state key", "group lr='x'", "group lr=nan",
+                 "scheduler last_epoch", "format_version", "huge shape", "fragment file"):  # fmt: skip
+        assert kind in names, f"no {kind!r} case"
+
+
+def test_every_failed_load_on_ddp_changes_nothing_on_any_rank(tmp_path):
+    ranks = run_ranks(
+        "corruption_cases:ranks_job", {"root": str(tmp_path)}, nproc=2, timeout=600, path=[HERE]
+    )
+    for rank, results in enumerate(ranks):
+        _check(results, f"ddp rank {rank}")
