@@ -119,7 +119,7 @@ def test_latest_pointer_and_load_through_the_parent(trained):
 
 def test_manifest_is_readable(trained):
     manifest = json.loads((trained["path"] / "accelkit.json").read_text())
-    assert manifest["format"] == "accelkit.checkpoint" and manifest["format_version"] == "1.0"
+    assert manifest["format"] == "accelkit.checkpoint" and manifest["format_version"] == "1.1"
     assert manifest["writer"]["backend"] == "cpu" and manifest["writer"]["torch"]
     assert manifest["world_size"] == 1 and manifest["precision"] == "32-true"
     assert manifest["step"] == 4
@@ -133,7 +133,14 @@ def test_manifest_is_readable(trained):
     entry = next(t for t in manifest["tensors"] if t["fqn"] == "blocks.0.up.weight")
     assert entry["shape"] == [ref.HIDDEN, ref.WIDTH] and entry["dtype"] == "float32"
     (frag,) = entry["fragments"]
-    assert frag["file"] == "rank-00000.safetensors" and len(frag["sha256"]) == 64
+    assert frag["file"] == "rank-00000.safetensors" and "sha256" not in frag
+    # the default checksum is XXH3-128 of the fragment's bytes, as the xxhash package computes it
+    import xxhash
+    from safetensors import safe_open
+
+    with safe_open(trained["path"] / frag["file"], "pt") as f:
+        stored = f.get_tensor(frag["key"]).contiguous()
+    assert frag["xxh3_128"] == xxhash.xxh3_128(stored.numpy().tobytes()).hexdigest()
     assert json.loads((trained["path"] / "extra.json").read_text())["extras"]["note"] == "hello"
 
 
@@ -374,7 +381,7 @@ def test_format_versions_newer_minor_reads_newer_major_refused(trained, tmp_path
     _rewrite_manifest(major, data, fix_checksum=True)
     with pytest.raises(
         CheckpointError,
-        match=r"accelkit\.json: format version 2\.0 is not readable by this accelkit.*upgrade",
+        match=r"accelkit\.json: field 'format_version' is 2\.0: not readable by this accelkit.*upgrade",
     ):
         _load_all(major)
 

@@ -72,3 +72,44 @@ def test_every_failed_load_on_ddp_changes_nothing_on_any_rank(tmp_path):
     )
     for rank, results in enumerate(ranks):
         _check(results, f"ddp rank {rank}")
+
+
+def test_a_checkpoint_of_format_1_0_sha256_still_loads_bit_for_bit():
+    """Written by accelkit before XXH3 became the fragments' checksum (format 1.0, SHA-256);
+    the expected values were saved beside it with the safetensors library alone."""
+    import torch
+    from safetensors.torch import load_file
+
+    old = HERE / "data" / "checkpoint-format-1.0"
+    expected = load_file(HERE / "data" / "checkpoint-format-1.0-expected.safetensors")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    accel = accelkit.get("cpu", seed=0)
+    model, opt = accel.setup(model, opt)
+    state = {"model": model, "optimizer": opt, "epoch": 0}
+    accel.load(old, state)
+    assert state["epoch"] == 3
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[f"model.{key}"]), key
+    inner = opt.state_dict()["state"]
+    for pid, st in inner.items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(value), expected[f"optimizer.{pid}.{key}"])
+
+
+def test_a_flipped_byte_in_the_format_1_0_checkpoint_is_still_caught(tmp_path):
+    import shutil
+
+    import torch
+
+    damaged = tmp_path / "old"
+    shutil.copytree(HERE / "data" / "checkpoint-format-1.0", damaged)
+    rank_file = damaged / "rank-00000.safetensors"
+    raw = bytearray(rank_file.read_bytes())
+    raw[-3] ^= 0x01
+    rank_file.write_bytes(bytes(raw))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+    accel = accelkit.get("cpu", seed=0)
+    with pytest.raises(accelkit.CheckpointError, match="sha256"):
+        accel.load(damaged, {"model": accel.setup(model)})

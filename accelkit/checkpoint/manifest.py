@@ -19,7 +19,7 @@ from accelkit.errors import CheckpointError
 
 FORMAT = "accelkit.checkpoint"
 #: major.minor. Readers accept any minor of their major; a new major is refused with a message.
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: fragments may carry xxh3_128 instead of sha256
 MANIFEST_NAME = "accelkit.json"
 EXTRA_NAME = "extra.json"
 #: reserved object names (user state keys may not start with "__")
@@ -38,13 +38,15 @@ def rank_file_name(rank: int) -> str:
 
 @dataclass
 class FragmentRecord:
-    """One contiguous range ``[flat_offset, flat_offset + numel)`` of a flattened tensor."""
+    """One contiguous range ``[flat_offset, flat_offset + numel)`` of a flattened tensor, and
+    the checksum of its bytes (``algorithm``: see :mod:`accelkit.checkpoint.digest`)."""
 
     file: str
     key: str
     flat_offset: int
     numel: int
-    sha256: str
+    digest: str
+    algorithm: str = "sha256"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,7 +54,7 @@ class FragmentRecord:
             "key": self.key,
             "flat_offset": self.flat_offset,
             "numel": self.numel,
-            "sha256": self.sha256,
+            self.algorithm: self.digest,
         }
 
 
@@ -108,12 +110,20 @@ class TensorEntry:
                     str(f["key"]),
                     int(f["flat_offset"]),
                     int(f["numel"]),
-                    str(f["sha256"]),
+                    *_digest_of(f),
                 )
                 for f in data["fragments"]
             ],
             meta={k: v for k, v in data.items() if k not in core},
         )
+
+
+def _digest_of(fragment: dict[str, Any]) -> tuple[str, str]:
+    """``(digest, algorithm)`` of a fragment record (the schema check ran: exactly one)."""
+    from accelkit.checkpoint.digest import ALGORITHMS
+
+    algorithm = next(a for a in ALGORITHMS if a in fragment)
+    return str(fragment[algorithm]), algorithm
 
 
 def canonical_bytes(data: dict[str, Any]) -> bytes:
@@ -261,7 +271,6 @@ def _element_sizes() -> dict[str, int]:
 
 #: bytes per element of every dtype a manifest may name
 ELEMENT_SIZES = _element_sizes()
-_SHA = re.compile(r"[0-9a-f]{64}")
 
 
 def _field(where: Path, name: str, value: Any, expected: str) -> CheckpointError:
@@ -278,6 +287,8 @@ def _int(where: Path, name: str, value: Any, *, minimum: int = 0) -> None:
 
 def check_schema(data: dict[str, Any], where: Path) -> None:
     """Type-check every manifest field a reader relies on, naming the field and the file."""
+    from accelkit.checkpoint.digest import ALGORITHMS
+
     _int(where, "world_size", data.get("world_size"), minimum=1)
     for name in ("step", "applied_steps"):
         if data.get(name) is not None:
@@ -323,5 +334,19 @@ def check_schema(data: dict[str, Any], where: Path) -> None:
                     raise _field(where, f"{at}.{key}", f.get(key), "a string")
             _int(where, f"{at}.flat_offset", f.get("flat_offset"))
             _int(where, f"{at}.numel", f.get("numel"), minimum=1)
-            if not isinstance(f.get("sha256"), str) or not _SHA.fullmatch(f["sha256"]):
-                raise _field(where, f"{at}.sha256", f.get("sha256"), "64 lowercase hex digits")
+            present = [a for a in ALGORITHMS if a in f]
+            if len(present) != 1:
+                raise _field(
+                    where, f"{at} checksum", present, f"exactly one of {', '.join(ALGORITHMS)}"
+                )
+            algorithm = present[0]
+            value = f[algorithm]
+            if not isinstance(value, str) or not re.fullmatch(
+                f"[0-9a-f]{{{ALGORITHMS[algorithm]}}}", value
+            ):
+                raise _field(
+                    where,
+                    f"{at}.{algorithm}",
+                    value,
+                    f"{ALGORITHMS[algorithm]} lowercase hex digits",
+                )

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from accelkit.checkpoint.codec import decode
+from accelkit.checkpoint.digest import digest as digest_of
+from accelkit.checkpoint.digest import hasher as new_hasher
 from accelkit.checkpoint.manifest import (
     EXTRA_NAME,
     EXTRA_OBJECT,
@@ -72,8 +74,8 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _digest(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+def _digest(algorithm: str, view: memoryview) -> str:
+    return digest_of(algorithm, view)
 
 
 class CheckpointReader:
@@ -234,7 +236,7 @@ class CheckpointReader:
         return CheckpointError(
             f"{self.directory / frag.file}: fragment {frag.key} of tensor {entry.label} "
             f"(flat_offset {frag.flat_offset}, numel {frag.numel}) failed its checksum: "
-            f"expected {frag.sha256}, got {digest}"
+            f"expected {frag.algorithm} {frag.digest}, got {digest}"
         )
 
     def _workers(self) -> ThreadPoolExecutor:
@@ -248,17 +250,17 @@ class CheckpointReader:
         failed = None
         for future, entry, frag in pending:
             digest = future.result()
-            if digest != frag.sha256 and failed is None:
+            if digest != frag.digest and failed is None:
                 failed = self._checksum_error(entry, frag, digest)
         if failed is not None:
             raise failed
 
     def verify_fragment(self, entry: TensorEntry, index: int) -> None:
-        """Stream one whole fragment through SHA-256 (chunked) and check it."""
+        """Stream one whole fragment through its checksum (chunked) and check it."""
         frag = entry.fragments[index]
         rank_file, offset, stored = self._locate(entry, frag)
         element = torch.empty((), dtype=stored).element_size()
-        hasher = hashlib.sha256()
+        hasher = new_hasher(frag.algorithm)
         buffer = bytearray(min(CHUNK_BYTES, max(1, frag.numel * element)))
         view = memoryview(buffer)
         remaining, position = frag.numel * element, offset
@@ -274,7 +276,7 @@ class CheckpointReader:
                 f"{self.directory / frag.file}: {err} (tensor {entry.label})"
             ) from err
         digest = hasher.hexdigest()
-        if digest != frag.sha256:
+        if digest != frag.digest:
             raise self._checksum_error(entry, frag, digest)
         with self._lock:
             self._verified.add((frag.file, frag.key))
@@ -394,14 +396,18 @@ class CheckpointReader:
                 _pread_into(rank_file.fd, view, offset + a * element)
                 if verify:
                     self._verified.add((frag.file, frag.key))
-                    self._pending.append((self._workers().submit(_digest, view), entry, frag))
+                    self._pending.append(
+                        (self._workers().submit(_digest, frag.algorithm, view), entry, frag)
+                    )
                 return
             lo, hi = (0, frag.numel) if verify else (a, b)
-            digest = self._staged(rank_file.fd, offset, element, stored, lo, hi, a, b, dst, verify)
+            digest = self._staged(
+                rank_file.fd, offset, element, stored, lo, hi, a, b, dst, verify and frag.algorithm
+            )
         except OSError as err:
             raise CheckpointError(f"{path}: {err} (tensor {entry.label})") from err
         if digest is not None:
-            if digest != frag.sha256:
+            if digest != frag.digest:
                 raise self._checksum_error(entry, frag, digest)
             self._verified.add((frag.file, frag.key))
 
@@ -416,12 +422,12 @@ class CheckpointReader:
         a: int,
         b: int,
         dst: torch.Tensor,
-        verify: bool,
+        verify: str | bool,
     ) -> str | None:
         """Stream elements ``[lo, hi)`` through two alternating host buffers: while one is
         copied to ``dst`` (asynchronously, for a GPU) and hashed (in order, on one thread),
         the next chunk is read into the other. Elements ``[a, b)`` land in ``dst``."""
-        hasher = hashlib.sha256() if verify else None
+        hasher = new_hasher(verify) if verify else None
         on_gpu = dst.device.type == "cuda"
         step = max(1, CHUNK_BYTES // element)
         copies: list[Any] = [None, None]

@@ -91,8 +91,10 @@ def write_file(
     fsync: bool = True,
     progress: Any = None,
     flat: bool = True,
+    checksum: str = "sha256",
 ) -> dict[str, str]:
-    """Write ``(key, tensor)`` pairs into a safetensors file; return key -> sha256.
+    """Write ``(key, tensor)`` pairs into a safetensors file; return key -> digest (``checksum``
+    names the algorithm, see :mod:`accelkit.checkpoint.digest`).
 
     With ``flat`` each tensor is stored 1-D (shape ``[numel]``; the manifest keeps the real
     shapes), else with its own shape. Every tensor's offset is known from the header, so the
@@ -134,7 +136,7 @@ def write_file(
             host = _to_host(tensor)
             view = tensor_bytes(host)
             begin = data_start + header[key]["data_offsets"][0]
-            future = pool.submit(_write_and_hash, fd, view, begin, host)
+            future = pool.submit(_write_and_hash, fd, view, begin, host, checksum)
             jobs.append((key, future, view.nbytes))
             if isinstance(item, LazyTensor) or host.data_ptr() != tensor.data_ptr():
                 device_copies.append(future)
@@ -160,11 +162,15 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _write_and_hash(fd: int, view: memoryview, offset: int, keepalive: torch.Tensor) -> str:
+def _write_and_hash(
+    fd: int, view: memoryview, offset: int, keepalive: torch.Tensor, checksum: str
+) -> str:
     """Runs in a pool thread: both calls release the GIL."""
+    from accelkit.checkpoint.digest import digest as digest_of
+
     if view.nbytes:
         _pwrite_all(fd, view, offset)
-    digest = hashlib.sha256(view).hexdigest()
+    digest = digest_of(checksum, view)
     del keepalive  # the host copy lives until its bytes are written and hashed
     return digest
 

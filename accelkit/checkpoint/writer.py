@@ -29,6 +29,8 @@ from accelkit import distributed
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint import storage
 from accelkit.checkpoint.codec import drop_callables, encode
+from accelkit.checkpoint.digest import DEFAULT as DEFAULT_CHECKSUM
+from accelkit.checkpoint.digest import check_algorithm
 from accelkit.checkpoint.fragments import Fragment, ObjectInfo, StateObjects, classify_state
 from accelkit.checkpoint.manifest import (
     BACKEND_OBJECT,
@@ -135,6 +137,7 @@ def _write_rank(
     objects: StateObjects,
     save_rng: bool,
     exclude_frozen: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> dict[str, Any]:
     rank = backend.rank
     collector = _Collector()
@@ -215,9 +218,11 @@ def _write_rank(
             to_write,
             {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)},
             pool=pool,
+            checksum=checksum,
         )
     for rec in out:
-        rec["sha256"] = digests.get(rec["key"], "")
+        rec["digest"] = digests.get(rec["key"], "")
+        rec["algorithm"] = checksum
     record["fragments"] = out
     record["file"] = {"name": file_name, "bytes": file_path.stat().st_size}
     return record
@@ -251,7 +256,8 @@ def _build_manifest(
                         rec["key"],
                         rec["flat_offset"],
                         rec["numel"],
-                        rec["sha256"],
+                        rec["digest"],
+                        rec.get("algorithm", "sha256"),
                     )
                 )
     tensors = sorted(
@@ -343,12 +349,15 @@ def save(
     step: int | None = None,
     rng: bool = True,
     exclude_frozen: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
 ) -> Path:
     """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`.
 
     ``exclude_frozen`` leaves out parameters with ``requires_grad=False`` (the manifest says so,
-    and loading does not count them missing)."""
+    and loading does not count them missing). ``checksum``: each fragment's checksum,
+    ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic)."""
     started = time.perf_counter()
+    check_algorithm(checksum)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     backend = backend_of(accel)
@@ -381,7 +390,7 @@ def save(
 
     record, error = None, None
     try:
-        record = _write_rank(backend, path, state, objects, rng, exclude_frozen)
+        record = _write_rank(backend, path, state, objects, rng, exclude_frozen, checksum)
     except Exception as err:
         error = err
     agree(error, f"saving {path}")
