@@ -205,8 +205,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
 
     ``latest`` names it when valid; otherwise (a save killed between its rename and the pointer
-    update, or a pointer to a deleted directory) the complete checkpoint directory with the
-    newest manifest. Half-written saves never carry a checkpoint's name, so they are not seen.
+    update, a pointer to a deleted directory, or one refused for leading outside ``directory``)
+    the complete checkpoint directory with the highest recorded step, then the last name in
+    natural order (``step-10`` after ``step-9``); never the newest by a clock, which may have
+    been wrong at a save. Links that lead outside ``directory`` are not considered.
+    Half-written saves never carry a checkpoint's name, so they are not seen.
     """
     from accelkit.checkpoint import storage
     from accelkit.errors import CheckpointError
@@ -222,14 +225,19 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
             return storage.resolve(directory)
         except CheckpointError as err:
             log.warning("%s; looking for the newest complete checkpoint instead", err)
-    candidates = [
-        p
-        for p in directory.iterdir()
-        if p.is_dir() and not p.name.startswith(".") and storage.is_checkpoint(p)
-    ]
+    candidates = []
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir() or not storage.is_checkpoint(entry):
+            continue
+        try:
+            storage.inside(directory, entry.name)
+        except CheckpointError as err:
+            log.warning("%s; not a candidate to resume from", err)
+            continue
+        candidates.append(entry)
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (storage._created(p), p.name))
+    return max(candidates, key=storage.checkpoint_order)
 
 
 def auto_resume(
