@@ -448,8 +448,9 @@ def _from_mapping(checkpoint: dict[str, Any], source: str, strip_prefix: str | N
 # A pickle is a program: each global it names is looked up, and may be called. trust_pickle never
 # means "run it": every pickled input is read by an unpickler that resolves only the globals of a
 # PickleAllowlist and refuses any other before anything is called. No allowed callable looks up an
-# attribute, imports or evaluates by a name taken from the file, or calls a function the file
-# hands it; so a file can build tensors, containers and the listed types, and nothing else.
+# attribute, imports or evaluates by a name taken from the file (``_codecs.encode`` finds the codec
+# the file names in Python's codec registry, nowhere else), or calls a function the file hands it;
+# so a file can build tensors, containers and the listed types, and nothing else.
 
 #: torch's tensor reconstructors a restricted load allows. Left out of torch's own weights_only
 #: list: ``_rebuild_from_type_v2`` (calls whatever function the file hands it, then sets the
@@ -568,6 +569,7 @@ def restricted_torch_load(
     *,
     hint: str,
     mmap: bool = False,
+    name: str | None = None,
 ) -> Any:
     """``torch.load`` that unpickles only what ``allowlist`` allows; else :class:`PickleRefused`.
 
@@ -575,10 +577,11 @@ def restricted_torch_load(
     bytes), and a name outside ``allowlist.names`` refuses the file before anything is called;
     then ``torch.load(weights_only=True)`` runs with the allowlist's bindings, so torch's
     restricted unpickler also checks each call and each object filled. ``hint`` (what to do)
-    ends each refusal. ``mmap`` maps the tensors of a file given by path.
+    ends each refusal; ``name`` names a ``source`` that is not a path in it. ``mmap`` maps the
+    tensors of a file given by path.
     """
     is_path = isinstance(source, (str, os.PathLike))
-    where = os.fspath(source) if is_path else "the pickle"
+    where = os.fspath(source) if is_path else name or "the pickle"
     with contextlib.ExitStack() as stack:
         file = stack.enter_context(open(source, "rb")) if is_path else source
         try:
@@ -768,6 +771,8 @@ def _restricted_dcp_reader(path: str | os.PathLike) -> Any:
                     raise PickleRefused(
                         f"{where}: {err}. {CONVERT_REFUSED_HINT}", err.refused
                     ) from None
+                except (pickle.UnpicklingError, EOFError, ValueError) as err:
+                    raise CheckpointError(f"{where}: cannot unpickle it: {err}") from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -776,15 +781,16 @@ def _restricted_dcp_reader(path: str | os.PathLike) -> Any:
     return RestrictedReader(str(path))
 
 
-def _restricted_dcp_planner() -> Any:
+def _restricted_dcp_planner(path: str | os.PathLike) -> Any:
     """A load planner that reads DCP's non-tensor values (``torch.save`` bytes) restricted,
     into the dict handed to ``dcp.load`` (DCP's flat keys: nothing to flatten)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class RestrictedPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: IO[bytes]) -> None:
-            self.state_dict[read_item.dest_index.fqn] = restricted_torch_load(
-                value, conversion_allowlist(), hint=CONVERT_REFUSED_HINT
+            fqn = read_item.dest_index.fqn
+            self.state_dict[fqn] = restricted_torch_load(
+                value, conversion_allowlist(), hint=CONVERT_REFUSED_HINT, name=f"{path}: {fqn}"
             )
 
     return RestrictedPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -914,6 +920,7 @@ class DCPImporter:
         import warnings
 
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         metadata = _restricted_dcp_reader(path).read_metadata()
@@ -928,12 +935,19 @@ class DCPImporter:
         def load(keys: dict[str, Any]) -> dict[str, Any]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dcp.load(
-                    keys,
-                    storage_reader=_restricted_dcp_reader(path),
-                    planner=_restricted_dcp_planner(),
-                    no_dist=True,
-                )
+                try:
+                    dcp.load(
+                        keys,
+                        storage_reader=_restricted_dcp_reader(path),
+                        planner=_restricted_dcp_planner(path),
+                        no_dist=True,
+                    )
+                except CheckpointException as err:  # DCP wraps what its reader raised
+                    for failure in err.failures.values():
+                        cause = failure[0] if isinstance(failure, tuple) else failure
+                        if isinstance(cause, PickleRefused):
+                            raise cause from None
+                    raise
             return keys
 
         def fetch(key: str):

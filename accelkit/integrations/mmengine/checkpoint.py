@@ -14,14 +14,22 @@ that one ``torch.load`` (``torch.serialization.safe_globals``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
-import pickle
 import re
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from accelkit.checkpoint.convert import (
+    PickleAllowlist,
+    PickleRefused,
+    conversion_allowlist,
+    restricted_torch_load,
+    tensor_allowlist,
+)
 from accelkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -222,51 +230,108 @@ def load(
 
 
 # ---- foreign, pickled checkpoints ----------------------------------------------------------------
-def _mmengine_globals() -> list[Any]:
-    """What ``torch.load(weights_only=True)`` must allow for a checkpoint MMEngine wrote."""
-    import numpy as np
+#: HistoryBuffer's statistics methods; it pickles them as ``getattr(HistoryBuffer, name)``
+HISTORY_BUFFER_STATISTICS = ("min", "max", "current", "mean")
+
+#: what to do about a ``.pth`` that names more than an MMEngine checkpoint does
+MMENGINE_REFUSED_HINT = (
+    "accelkit unpickles nothing beyond its allowlist, with or without trust_pickle. If you know "
+    "where the file comes from and what else it holds, load it in your own code "
+    "(mmengine.runner.load_checkpoint) and torch.save its state_dict alone, or save it as an "
+    "accelkit checkpoint, then load_from that"
+)
+
+
+def _history_buffer_statistic(owner: Any, name: Any) -> Any:
+    """Stands in for ``builtins.getattr`` in an MMEngine checkpoint: resolves HistoryBuffer's
+    statistics methods, the one thing MMEngine pickles through ``getattr``, and refuses the rest."""
     from mmengine.logging import HistoryBuffer
 
-    allowed: list[Any] = [HistoryBuffer, np.ndarray, np.dtype, getattr]
-    multiarray = getattr(np, "_core", None) or np.core
-    allowed += [multiarray.multiarray._reconstruct, multiarray.multiarray.scalar]
-    allowed += [type(np.dtype(name)) for name in ("float64", "float32", "int64", "int32", "bool")]
-    return allowed
+    if owner is HistoryBuffer and name in HISTORY_BUFFER_STATISTICS:
+        return getattr(HistoryBuffer, name)
+    what = (
+        f"{owner.__module__}.{owner.__qualname__}"
+        if isinstance(owner, type)
+        else f"a {type(owner).__name__}"
+    )
+    raise PickleRefused(
+        f"refused to unpickle: it calls builtins.getattr({what}, {str(name)[:60]!r}); the "
+        f"only one allowed is HistoryBuffer.{{{', '.join(HISTORY_BUFFER_STATISTICS)}}}",
+        ("builtins.getattr",),
+    )
+
+
+def mmengine_allowlist() -> PickleAllowlist:
+    """What ``trust_pickle=True`` lets a ``.pth`` name: tensors, containers and numpy values
+    (:func:`~accelkit.checkpoint.convert.conversion_allowlist`), MMEngine's HistoryBuffer, and
+    ``builtins.getattr`` bound to :func:`_history_buffer_statistic` (never the real one)."""
+    from mmengine.logging import HistoryBuffer
+
+    return conversion_allowlist().extended(
+        {
+            f"{HistoryBuffer.__module__}.{HistoryBuffer.__qualname__}": HistoryBuffer,
+            "builtins.getattr": _history_buffer_statistic,
+        }
+    )
+
+
+@contextlib.contextmanager
+def _history_buffer_statistics_kept(path: str | os.PathLike) -> Iterator[None]:
+    """Undo, and refuse, a load that rewrites HistoryBuffer's class-wide statistics methods.
+
+    ``HistoryBuffer.__setstate__`` merges a file's ``statistics_methods`` into a dict the class
+    shares; a checkpoint MMEngine wrote holds only the four defaults, resolved to themselves.
+    """
+    from mmengine.logging import HistoryBuffer
+
+    methods = HistoryBuffer._statistics_methods
+    expected = dict(methods)
+    for name in HISTORY_BUFFER_STATISTICS:  # what HistoryBuffer.__setstate__ sets by default
+        expected.setdefault(name, getattr(HistoryBuffer, name))
+    try:
+        yield
+    finally:
+        changed = sorted(
+            name
+            for name in set(methods) | set(expected)
+            if methods.get(name) is not expected.get(name)
+        )
+        if changed:
+            methods.clear()
+            methods.update(expected)
+    if changed:
+        raise PickleRefused(
+            f"{os.fspath(path)}: refused to unpickle: it replaces HistoryBuffer's statistics "
+            f"methods {', '.join(changed)} (undone). {MMENGINE_REFUSED_HINT}"
+        )
 
 
 def read_pickled(path: str | os.PathLike, *, trust_pickle: bool) -> dict[str, Any]:
     """Load a ``.pth`` written by ``torch.save`` (MMEngine's checkpoints are these).
 
-    A file of tensors only loads as is. Anything else is a pickle that can run code, and loads only
-    with ``trust_pickle=True``, allowing MMEngine's own globals for this one load.
+    Always through accelkit's restricted unpickler: a file of tensors in plain containers loads
+    as is; with ``trust_pickle=True`` also numpy values and MMEngine's HistoryBuffer (see
+    :func:`mmengine_allowlist`). Anything else is refused before it is looked up or called.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
+        return restricted_torch_load(path, tensor_allowlist(), hint=MMENGINE_REFUSED_HINT)
+    except PickleRefused as err:
+        if not err.refused:  # refused for what it calls, not for what it names
+            raise
         if not trust_pickle:
+            if not mmengine_allowlist().names.issuperset(err.refused):
+                raise  # off the trusted list too: trust_pickle would not help
             raise CheckpointError(
-                f"{str(path)!r} is a pickled checkpoint that holds more than tensors "
-                f"({_first_line(err)}). Unpickling it can run code from the file. If you trust "
-                "it, set trust_pickle=True (AccelkitRunner: accelkit=dict(trust_pickle=True); "
+                f"{str(path)!r} is a pickle that names more than tensors "
+                f"({', '.join(err.refused)}). Reading it needs trust_pickle=True, which lets "
+                "accelkit's restricted unpickler build numpy values and MMEngine's HistoryBuffer "
+                "too, and still nothing else (AccelkitRunner: accelkit=dict(trust_pickle=True); "
                 "AccelkitStrategy: strategy=dict(..., trust_pickle=True))."
             ) from None
-    try:
-        with torch.serialization.safe_globals(_mmengine_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{str(path)!r} needs globals beyond what an MMEngine checkpoint uses "
-            f"({_first_line(err)}); convert it with `accelkit convert --trust-pickle`"
-        ) from None
-
-
-def _first_line(err: Exception) -> str:
-    for line in str(err).splitlines():
-        if "Unsupported global" in line:
-            return line.strip()
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
+    with _history_buffer_statistics_kept(path):
+        return restricted_torch_load(path, mmengine_allowlist(), hint=MMENGINE_REFUSED_HINT)
 
 
 def revise_state_dict(
