@@ -452,6 +452,18 @@ class DeepSpeedBackend(DistributedBackend):
 
         checkpoint.load_fragments(self, reader, state)
 
+    def check_load(self, reader: Any, state: dict[str, Any]) -> None:
+        """The dense check with each ZeRO-3 parameter's full shape (``ds_shape``): its own
+        ``shape`` is the empty placeholder partitioning leaves."""
+        from accelkit.sdk import check_dense_load
+
+        check_dense_load(
+            self,
+            reader,
+            state,
+            shape_of=lambda t: tuple(getattr(t, "ds_shape", None) or t.shape),
+        )
+
     def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         """``accel.save(path, state, format="native")``: DeepSpeed's own ``save_checkpoint``."""
         from accelkit_deepspeed import native
