@@ -585,10 +585,16 @@ class Accelerator:
         """True on every rank, at the same step, once any rank got a stop signal (SIGTERM or
         SIGUSR1 by default) or called :meth:`request_stop`. Read it at the step boundary; when
         True, save and leave the loop. Each read is one small all-reduce; the first read
-        installs the signal handlers (see :mod:`accelkit.preemption`)."""
+        installs the signal handlers (see :mod:`accelkit.preemption`). When it turns True, an
+        asynchronous save in flight is committed first, so the stop's grace period is not
+        spent on it."""
+        from accelkit.checkpoint import background
         from accelkit.preemption import watcher_of
 
-        return watcher_of(self).check(self.device)
+        stop = watcher_of(self).check(self.device)
+        if stop:
+            background.wait()
+        return stop
 
     def stop_on_signals(self, *signals: Any, check_every: int = 1) -> None:
         """Choose the signals that set :attr:`should_stop` (default SIGTERM, SIGUSR1) and install
@@ -641,8 +647,20 @@ class Accelerator:
 
         return main_process_first(self, local=local, timeout_s=timeout_s)
 
+    def wait_for_save(self) -> None:
+        """Block until an ``accel.save(..., asynchronous=True)`` in flight is committed; raise
+        :class:`~accelkit.errors.CheckpointError` if it failed. The next save, ``load``,
+        ``end_training`` and interpreter exit wait anyway."""
+        from accelkit.checkpoint import background
+
+        background.wait()
+
     def end_training(self) -> None:
-        """Close the trackers and give the stop signals back to their former handlers."""
+        """Wait for an asynchronous save in flight (raising its error), close the trackers and
+        give the stop signals back to their former handlers."""
+        from accelkit.checkpoint import background
+
+        background.wait()
         trackers, self._trackers = self._trackers, None
         if trackers is not None:
             trackers.finish()

@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: also: accelkit-noverify (load without checksums), accelkit-sha256 (SHA-256 fragment checksums)
+#: also: accelkit-noverify (load without checksums), accelkit-sha256 (SHA-256 fragment checksums),
+#: accelkit-async (asynchronous save: the training stall, the step time while it writes)
 METHODS = ("accelkit", "torch", "dcp")
 WIDTH = 2048
 
@@ -181,6 +182,7 @@ def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
             rng=False,
             latest=False,
             checksum=checksum,
+            asynchronous=method == "accelkit-async",
         )
     elif method == "torch":
         with open(path, "wb") as f:
@@ -224,6 +226,23 @@ def _load(method: str, model, opt, path: Path, device: str) -> None:
         raise ValueError(method)
 
 
+def _steps_while_writing(model, background) -> float | None:
+    """The median time (ms) of a forward+backward step of ``model`` while the background save
+    is still writing (None if it finished before one step)."""
+    import torch
+
+    times = []
+    first = next(model.parameters())
+    x = torch.randn(8, first.shape[-1], device=first.device, dtype=first.dtype)
+    while background.pending() is not None and len(times) < 50:
+        started = time.perf_counter()
+        model(x).float().square().mean().backward()
+        _sync(str(first.device.type))
+        times.append((time.perf_counter() - started) * 1e3)
+    model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2] if times else None
+
+
 def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -> dict[str, Any]:
     """Save, scramble, load back: one method on the live state."""
     path = Path(args.dir) / f"{method}-ckpt"
@@ -238,6 +257,12 @@ def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -
         started = time.perf_counter()
         _save(method, model, opt, path)
         _sync(args.device)
+        if method == "accelkit-async":  # the training loop's stall, then the whole save
+            from accelkit.checkpoint import background
+
+            result["stall_s"] = time.perf_counter() - started
+            result["step_ms_during_write"] = _steps_while_writing(model, background)
+            background.wait()
         result["save_s"] = time.perf_counter() - started
     result.update(save_rss_extra=peak.rss_extra, save_anon_extra=peak.anon_extra)
     _scramble(model, opt)
@@ -401,6 +426,7 @@ def main() -> int:
             "accelkit": "accelkit",
             "accelkit-noverify": "accelkit (load unverified)",
             "accelkit-sha256": "accelkit (SHA-256)",
+            "accelkit-async": "accelkit (asynchronous)",
             "torch": "torch.save/load +fsync",
             "dcp": "DCP",
         }[method]
@@ -410,6 +436,16 @@ def main() -> int:
             f"{_mb([r['save_rss_extra'] for r in rs])} {_mb([r['save_anon_extra'] for r in rs])}"
             f"  {_mb([r['load_rss_extra'] for r in rs])} {_mb([r['load_anon_extra'] for r in rs])}"
         )
+        if method == "accelkit-async":
+            stalls = sorted(r["stall_s"] for r in rs)
+            summary[method]["stall_s"] = [stalls[len(stalls) // 2], stalls[0], stalls[-1]]
+            steps = [r["step_ms_during_write"] for r in rs if r.get("step_ms_during_write")]
+            print(
+                f"{'  training stall':26s} {sorted(r['stall_s'] for r in rs)[len(rs) // 2]:8.3f} s "
+                f"(median; whole save {sorted(r['save_s'] for r in rs)[len(rs) // 2]:.3f} s); "
+                f"step during the write: "
+                + (f"{sorted(steps)[len(steps) // 2]:.1f} ms" if steps else "n/a")
+            )
         if method == "torch":
             nofsync = _summary(rs, "save_nofsync_s")
             summary["torch"]["save_nofsync_gbps"] = nofsync

@@ -521,14 +521,22 @@ def test_overwrite_replaces_a_checkpoint_but_not_other_data(tmp_path):
 
 
 # ---- atomicity: SIGKILL at random points --------------------------------------------------------------------------
-def _saver(parent: str, step: int, ready) -> None:
+def _saver(parent: str, step: int, ready, asynchronous: bool = False) -> None:
+    from accelkit.checkpoint import background
+
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float(step))
     ready.send(True)
-    save(None, Path(parent) / f"step-{step}", {"model": model, "step": step}, keep_last=2)
+    target = Path(parent) / f"step-{step}"
+    save(None, target, {"model": model, "step": step}, keep_last=2, asynchronous=asynchronous)
+    if asynchronous:  # training goes on while the background thread writes and commits
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(-1.0)
+        background.wait()
     ready.send(True)
 
 
@@ -549,7 +557,8 @@ KILLS = 20
 
 
 @pytest.mark.slow
-def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path, asynchronous):
     ctx = multiprocessing.get_context("fork")
     parent = tmp_path / "ckpts"
 
@@ -557,7 +566,7 @@ def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path):
         """Save ``step`` in a forked process; SIGKILL it ``kill_after`` s into the save unless
         it finished by then. Returns the time taken and whether the kill was sent."""
         receiver, sender = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_saver, args=(str(parent), step, sender))
+        proc = ctx.Process(target=_saver, args=(str(parent), step, sender, asynchronous))
         proc.start()
         receiver.recv()  # ready: the save starts now
         started = time.perf_counter()

@@ -85,6 +85,9 @@ def load(
     :class:`~accelkit.errors.CheckpointError` and changes nothing. Only an I/O error during the
     writes can leave objects partly loaded: that raises :class:`~accelkit.errors.PartialLoadError`.
     """
+    from accelkit.checkpoint import background
+
+    background.wait()  # an asynchronous save in flight commits first (it may be this one)
     backend = backend_of(accel)
     unconsumed: dict[str, Any] = {}
     error = None

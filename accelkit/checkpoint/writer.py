@@ -21,6 +21,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -62,10 +63,11 @@ def backend_of(accel: Any) -> Any:
     return accel.backend
 
 
-def agree(error: BaseException | None, what: str) -> None:
-    """All ranks learn whether any rank failed; every rank then raises the same error."""
+def agree(error: BaseException | None, what: str, group: Any = None) -> None:
+    """All ranks (of ``group``) learn whether any rank failed; every rank then raises the same
+    error."""
     message = None if error is None else f"{type(error).__name__}: {error}"
-    messages = distributed.all_gather_object(message)
+    messages = distributed.all_gather_object(message, group)
     failed = [(r, m) for r, m in enumerate(messages) if m]
     if not failed:
         return
@@ -75,7 +77,7 @@ def agree(error: BaseException | None, what: str) -> None:
     raise CheckpointError(f"{what} failed: {detail}") from error
 
 
-def _gather_to_rank0(record: dict[str, Any]) -> list[dict[str, Any]]:
+def _gather_to_rank0(record: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
     """Every rank's fragment records on rank 0 (others get an empty list): O(world) there only."""
     if not distributed.is_initialized():
         return [record]
@@ -84,7 +86,7 @@ def _gather_to_rank0(record: dict[str, Any]) -> list[dict[str, Any]]:
     if dist.get_world_size() == 1:
         return [record]
     out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(record, out, dst=0)
+    dist.gather_object(record, out, dst=0, group=group)
     return out or []
 
 
@@ -130,15 +132,14 @@ def _fragment_key(frag: Fragment) -> str:
     return f"{frag.object}/{frag.kind}/{frag.fqn}@{frag.flat_offset}"
 
 
-def _write_rank(
+def _plan_rank(
     backend: Any,
-    path: Path,
     state: dict[str, Any],
     objects: StateObjects,
     save_rng: bool,
     exclude_frozen: bool = False,
-    checksum: str = DEFAULT_CHECKSUM,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """This rank's record (names, ranges, JSON state) and the tensors its file will hold."""
     rank = backend.rank
     collector = _Collector()
     infos: dict[str, Any] = {}
@@ -209,7 +210,18 @@ def _write_rank(
                 "meta": frag.meta,
             }
         )
-    file_name = rank_file_name(rank)
+    record["fragments"] = out
+    record["file"] = {"name": rank_file_name(rank)}
+    return record, to_write
+
+
+def _write_planned(
+    path: Path, record: dict[str, Any], to_write: list[tuple[str, Any]], checksum: str
+) -> dict[str, Any]:
+    """Write a planned rank file (the tensors of ``to_write``) and complete its record."""
+    rank = record["rank"]
+    out = record["fragments"]
+    file_name = record["file"]["name"]
     file_path = storage.temp_dir(path) / file_name
     workers = max(1, min(8, (os.cpu_count() or 2)))
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -223,7 +235,6 @@ def _write_rank(
     for rec in out:
         rec["digest"] = digests.get(rec["key"], "")
         rec["algorithm"] = checksum
-    record["fragments"] = out
     record["file"] = {"name": file_name, "bytes": file_path.stat().st_size}
     return record
 
@@ -350,13 +361,19 @@ def save(
     rng: bool = True,
     exclude_frozen: bool = False,
     checksum: str = DEFAULT_CHECKSUM,
+    asynchronous: bool = False,
 ) -> Path:
     """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`.
 
     ``exclude_frozen`` leaves out parameters with ``requires_grad=False`` (the manifest says so,
     and loading does not count them missing). ``checksum``: each fragment's checksum,
-    ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic)."""
+    ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic). ``asynchronous``:
+    return once the state is copied to host memory; writing and committing go on in the
+    background (:mod:`accelkit.checkpoint.background`)."""
+    from accelkit.checkpoint import background
+
     started = time.perf_counter()
+    background.wait()  # the save in flight commits (or raises) before this one starts
     check_algorithm(checksum)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -370,6 +387,8 @@ def save(
             step = explicit
         elif hasattr(accel, "applied_steps"):
             step = accel.applied_steps
+    # what the manifest records of the Accelerator, as of now (the commit may run later)
+    counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
 
     token, error = None, None
     if rank == 0:
@@ -388,26 +407,71 @@ def save(
             "share (NFS, Lustre, a single machine's disk)."
         )
 
-    record, error = None, None
+    planned, error = None, None
     try:
-        record = _write_rank(backend, path, state, objects, rng, exclude_frozen, checksum)
+        record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
+        if asynchronous:
+            to_write = background.snapshot(to_write)
+        planned = (record, to_write)
     except Exception as err:
         error = err
     agree(error, f"saving {path}")
-    records = _gather_to_rank0(record)
+    assert planned is not None
+    job = (backend, counters, path, *planned, list(state), step)
+    options = {"checksum": checksum, "exclude_frozen": exclude_frozen}
+    options.update(latest=latest, keep_last=keep_last, started=started)
+    if asynchronous:
+        group = background.commit_group()
+        background.start(path, lambda: _write_and_commit(*job, group=group, **options))
+        if rank == 0:
+            log.info(
+                "saving %s in the background (training stalled %.2f s for the snapshot)",
+                path,
+                time.perf_counter() - started,
+            )
+        return path
+    _write_and_commit(*job, group=None, **options)
+    return path
+
+
+def _write_and_commit(
+    backend: Any,
+    counters: Any,
+    path: Path,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    state_keys: list[str],
+    step: Any,
+    *,
+    group: Any,
+    checksum: str,
+    exclude_frozen: bool,
+    latest: bool,
+    keep_last: int | None,
+    started: float,
+) -> None:
+    """Every rank writes its file; rank 0 builds the manifest and commits (collective on
+    ``group``)."""
+    rank = record["rank"]
+    error = None
+    try:
+        record = _write_planned(path, record, to_write, checksum)
+    except Exception as err:
+        error = err
+    agree(error, f"saving {path}", group)
+    records = _gather_to_rank0(record, group)
 
     error = None
     if rank == 0:
         try:
-            manifest, extras = _build_manifest(backend, accel, records, list(state), step)
+            manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
             if exclude_frozen:
                 manifest.data["excluded_frozen"] = True
             finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
         except Exception as err:
             error = err
-    agree(error, f"saving {path}")
+    agree(error, f"saving {path}", group)
     if rank == 0:
         size = sum(r["file"]["bytes"] for r in records)
         elapsed = time.perf_counter() - started
         log.info("saved %s: %.3f GB in %.2f s", path, size / 1e9, elapsed)
-    return path

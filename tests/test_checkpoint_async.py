@@ -1,0 +1,114 @@
+"""``accel.save(..., asynchronous=True)``: the snapshot is what was saved while training goes
+on; the next call waits; a background error is raised there, never lost; rotation and
+``latest`` hold as for a synchronous save; 2 ranks save asynchronously and 1 rank loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import accelkit
+from accelkit.checkpoint import background, writer
+from accelkit.testing import run_ranks
+
+HERE = Path(__file__).parent
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _setup(accel, seed: int = 0):
+    net = _net(seed)
+    model, opt = accel.setup(net, torch.optim.AdamW(net.parameters(), lr=0.1))
+    accel.backward(model(torch.randn(8, 16)).square().mean())
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def test_the_checkpoint_holds_the_state_of_the_save_call_not_later_steps(tmp_path):
+    accel = accelkit.get("cpu", seed=0)
+    model, opt = _setup(accel)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    accel.save(tmp_path / "a", {"model": model, "optimizer": opt, "step": 1}, asynchronous=True)
+    for _ in range(3):  # training goes on while the background thread writes
+        accel.backward(model(torch.randn(8, 16)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    accel.wait_for_save()
+    fresh = accelkit.get("cpu", seed=0)
+    other, other_opt = _setup(fresh, seed=5)
+    state = {"model": other, "optimizer": other_opt, "step": 0}
+    fresh.load(tmp_path / "a", state)
+    assert state["step"] == 1
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, expected[key]), key  # bit for bit the snapshot
+    assert not torch.equal(other.state_dict()["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_a_background_failure_is_raised_by_the_next_call_and_commits_nothing(tmp_path, monkeypatch):
+    accel = accelkit.get("cpu", seed=0)
+    model, _ = _setup(accel)
+    accel.save(tmp_path / "step-1", {"model": model, "step": 1})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer, "_write_planned", disk_full)
+    accel.save(tmp_path / "step-2", {"model": model, "step": 2}, asynchronous=True)
+    monkeypatch.undo()
+    with pytest.raises(accelkit.CheckpointError, match=r"asynchronous save of .*step-2 failed"):
+        accel.save(tmp_path / "step-3", {"model": model, "step": 3})
+    assert not (tmp_path / "step-2").exists()  # never committed
+    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    background.wait()  # the error was raised once: nothing is pending now
+    accel.save(tmp_path / "step-3", {"model": model, "step": 3})
+    assert (tmp_path / "latest").read_text().strip() == "step-3"
+
+
+def test_rotation_and_latest_hold_for_asynchronous_saves(tmp_path):
+    accel = accelkit.get("cpu", seed=0)
+    model, opt = _setup(accel)
+    for step in range(1, 5):
+        accel.save(
+            tmp_path / f"step-{step}",
+            {"model": model, "optimizer": opt, "step": step},
+            keep_last=2,
+            asynchronous=True,
+        )
+    accel.end_training()  # waits for the last one
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "latest",
+        "step-3",
+        "step-4",
+    ]
+    assert (tmp_path / "latest").read_text().strip() == "step-4"
+
+
+def ranks_job(root: str) -> dict:
+    accel = accelkit.get("ddp", seed=0)
+    model, opt = _setup(accel)
+    expected = {k: v.clone() for k, v in accel.unwrap(model).state_dict().items()}
+    accel.save(Path(root) / "step-1", {"model": model, "optimizer": opt}, asynchronous=True)
+    for _ in range(2):  # collectives of the loop while the commit gathers on its own group
+        accel.backward(model(torch.randn(8, 16)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        accel.all_reduce(torch.ones(()))
+    accel.end_training()
+    torch.save(expected, Path(root) / f"expected-{accel.rank}.pt")
+    return {"rank": accel.rank}
+
+
+def test_two_ranks_save_asynchronously_and_one_rank_loads(tmp_path):
+    run_ranks("test_checkpoint_async:ranks_job", {"root": str(tmp_path)}, nproc=2, path=[HERE])
+    expected = torch.load(tmp_path / "expected-0.pt")
+    accel = accelkit.get("cpu", seed=0)
+    model, opt = _setup(accel, seed=9)
+    accel.load(tmp_path / "step-1", {"model": model, "optimizer": opt})
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
