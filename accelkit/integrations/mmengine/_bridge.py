@@ -18,6 +18,7 @@ from accelkit.integrations.mmengine._settings import (
     AdapterOptions,
     TrainingSettings,
     accelerator_kwargs,
+    mmengine_wrapper_options,
 )
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
 from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
@@ -46,6 +47,47 @@ def join_process_group(dist_backend: str | None = None, timeout: float | None = 
     distributed.init_process_group(device, timeout)
 
 
+class _StaticLossScale:
+    """MMEngine's ``AmpOptimWrapper(loss_scale=<number>)``: the scale goes back to the number
+    after every step (``loss_scaler.update(loss_scale)``); overflowed steps are still skipped."""
+
+    static_scale: float
+
+    def update(self, new_scale: Any = None) -> None:
+        super().update(self.static_scale if new_scale is None else new_scale)  # type: ignore[misc]
+
+
+def apply_loss_scale(accel: accelkit.Accelerator, settings: TrainingSettings) -> None:
+    """Give the backend's fp16 GradScaler the arguments of ``AmpOptimWrapper(loss_scale=...)``.
+
+    ``'dynamic'`` needs nothing: MMEngine's ``GradScaler()`` and accelkit's ``16-mixed`` scaler
+    have the same defaults. A number or a dict needs a scaler accelkit runs (the torch-native
+    backends, ``ShardedGradScaler`` on fsdp); a backend whose library scales the loss itself
+    (DeepSpeed, ColossalAI's ZeRO) is refused, as is any precision but 16-mixed.
+    """
+    if settings.grad_scaler is None:
+        return
+    precision = getattr(accel.backend, "precision", None)
+    scaler = getattr(precision, "scaler", None)
+    if accel.precision != "16-mixed" or not isinstance(scaler, torch.amp.GradScaler):
+        raise UnsupportedError(
+            f"AmpOptimWrapper loss_scale={settings.static_loss_scale or settings.grad_scaler!r} "
+            f"cannot be honoured on backend {accel.name!r} with precision {accel.precision!r}: "
+            "accelkit runs no torch GradScaler there (the backend's library scales the loss "
+            "itself). Set the loss scale in the backend's own options (deepspeed: loss_scale, "
+            "initial_scale_power; colossalai: initial_scale), or remove loss_scale"
+        )
+    scaler_class: type = type(scaler)
+    if settings.static_loss_scale is not None:
+        scaler_class = type(f"Static{scaler_class.__name__}", (_StaticLossScale, scaler_class), {})
+    device_type = getattr(precision, "device_type", None) or accel.device.type
+    new_scaler = scaler_class(device_type, **settings.grad_scaler)
+    if settings.static_loss_scale is not None:
+        new_scaler.static_scale = settings.static_loss_scale
+    precision.scaler = new_scaler
+    log.info("fp16 loss scaler from AmpOptimWrapper loss_scale: %s", settings.grad_scaler)
+
+
 class Bridge:
     """One Accelerator and the model/optimizer it set up, seen from MMEngine."""
 
@@ -54,10 +96,27 @@ class Bridge:
         self.accelerator: accelkit.Accelerator | None = None
 
     # ---- building -----------------------------------------------------------------------------
-    def build_accelerator(self, settings: TrainingSettings) -> accelkit.Accelerator:
+    def build_accelerator(
+        self,
+        settings: TrainingSettings,
+        *,
+        model_wrapper_cfg: Any = None,
+        find_unused_parameters: Any = None,
+        launched_distributed: bool = True,
+    ) -> accelkit.Accelerator:
+        """Build the Accelerator once; DDP-like backends wrap the model as MMEngine's own DDP
+        would (``broadcast_buffers=False`` unless ``model_wrapper_cfg`` or the section says)."""
         if self.accelerator is None:
-            kwargs = accelerator_kwargs(self.adapter, settings)
-            self.accelerator = accelkit.get(self.adapter.backend, **kwargs)
+            wrapper_options = mmengine_wrapper_options(
+                self.adapter,
+                model_wrapper_cfg,
+                find_unused_parameters=find_unused_parameters,
+                distributed=launched_distributed,
+            )
+            kwargs = accelerator_kwargs(self.adapter, settings, wrapper_options)
+            accel = accelkit.get(self.adapter.backend, **kwargs)
+            apply_loss_scale(accel, settings)
+            self.accelerator = accel
             log.info("MMEngine on accelkit: %r", self.accelerator)
             launched = distributed.launched_world_size()
             if launched > 1 and not self.accelerator.capabilities.distributed:

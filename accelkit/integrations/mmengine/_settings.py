@@ -9,6 +9,7 @@ and refuses what accelkit cannot honour instead of silently ignoring it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,20 @@ FROM_OPTIM_WRAPPER = {
     "max_grad_norm": "optim_wrapper=dict(clip_grad=dict(max_norm=X))",
 }
 _WRAPPER_TYPES = ("OptimWrapper", "AmpOptimWrapper", "AccelkitOptimWrapper")
+#: the arguments of ``torch.amp.GradScaler`` that a ``loss_scale`` dict may set
+_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
+#: what MMEngine's own DDP wrapping passes when the config names no wrapper
+#: (``Runner.wrap_model`` and ``DDPStrategy``: ``broadcast_buffers=False``)
+MMENGINE_DDP_DEFAULTS = {"broadcast_buffers": False}
+#: the DDP wrappers whose ``model_wrapper_cfg`` options carry over onto a backend's options
+_DDP_WRAPPER_TYPES = ("MMDistributedDataParallel", "DistributedDataParallel")
+#: model_wrapper_cfg keys with no backend option: accelkit places the model on its device
+_PLACEMENT_KEYS = ("device_ids", "output_device")
+
+
+class _ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type: a :class:`ConfigError` that is also the ``TypeError``
+    MMEngine raises for it, so ``except TypeError`` written for MMEngine keeps working."""
 
 
 @dataclass
@@ -74,22 +89,77 @@ class TrainingSettings:
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
     precision: str | None = None
+    #: ``torch.amp.GradScaler`` arguments from ``AmpOptimWrapper(loss_scale=...)``; None for
+    #: ``'dynamic'`` (GradScaler's defaults, which are accelkit's own scaler settings too)
+    grad_scaler: dict[str, Any] | None = None
+    #: ``loss_scale=<number>``: MMEngine resets the scale to it after every step (static)
+    static_loss_scale: float | None = None
 
 
 def _type_name(value: Any) -> str:
     return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
 
 
+def _several_optimizers(what: str) -> ConfigError:
+    return ConfigError(
+        f"accelkit's MMEngine adapter trains one optimizer per model; {what} (several "
+        "optimizers, an OptimWrapperDict, e.g. a GAN's generator and discriminator). That is not "
+        "supported yet: configure one optimizer (optim_wrapper=dict(optimizer=...)), or train "
+        "this model with MMEngine's own Runner"
+    )
+
+
+def read_loss_scale(loss_scale: Any) -> tuple[dict[str, Any] | None, float | None]:
+    """``AmpOptimWrapper(loss_scale=...)`` as ``(GradScaler arguments, static scale)``.
+
+    MMEngine builds ``GradScaler()`` for ``'dynamic'``, ``GradScaler(init_scale=x)`` reset to
+    ``x`` after every step for a number, and ``GradScaler(**d)`` for a dict
+    (mmengine/optim/optimizer/amp_optimizer_wrapper.py).
+    """
+    if isinstance(loss_scale, str) and loss_scale == "dynamic":
+        return None, None
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        if not loss_scale > 0:
+            raise ConfigError(f"AmpOptimWrapper loss_scale must be positive, got {loss_scale!r}")
+        return {"init_scale": float(loss_scale)}, float(loss_scale)
+    if hasattr(loss_scale, "items"):
+        kwargs = dict(loss_scale)
+        unknown = sorted(set(kwargs) - set(_SCALER_KEYS))
+        if unknown:
+            raise _ConfigTypeError(
+                f"AmpOptimWrapper loss_scale: {unknown} are not arguments of torch's GradScaler "
+                f"({', '.join(_SCALER_KEYS)})"
+            )
+        if kwargs.pop("enabled", True) is not True:
+            raise ConfigError(
+                "AmpOptimWrapper loss_scale=dict(enabled=False) turns fp16 loss scaling off, "
+                "which accelkit's 16-mixed does not do; use precision 'bf16-mixed' or '32-true' "
+                "to train without a loss scaler"
+            )
+        try:  # GradScaler checks its arguments (growth_factor > 1, backoff_factor < 1)
+            torch.amp.GradScaler("cpu", **kwargs)
+        except (AssertionError, TypeError, ValueError) as err:
+            raise ConfigError(f"AmpOptimWrapper loss_scale={loss_scale!r}: {err}") from err
+        return kwargs, None
+    raise _ConfigTypeError(
+        f"AmpOptimWrapper loss_scale must be 'dynamic', a number or a dict of GradScaler "
+        f"arguments, got {loss_scale!r}"
+    )
+
+
 def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSettings]:
     """Split MMEngine's ``optim_wrapper`` config into one accelkit can build, and settings.
 
     Returns the config with ``type`` set to ``AccelkitOptimWrapper`` (AMP keys removed), or None
-    when there is no optimizer (val/test only).
+    when there is no optimizer (val/test only). A value of the wrong type raises an error that
+    is both a :class:`ConfigError` and the ``TypeError`` MMEngine raises for it.
     """
-    from mmengine.optim import BaseOptimWrapper, OptimWrapper
+    from mmengine.optim import BaseOptimWrapper, OptimWrapper, OptimWrapperDict
 
     if cfg is None:
         return None, TrainingSettings()
+    if isinstance(cfg, OptimWrapperDict):
+        raise _several_optimizers("this optim_wrapper is an OptimWrapperDict")
     if isinstance(cfg, BaseOptimWrapper):
         if type(cfg) not in (OptimWrapper,) and type(cfg).__name__ != "AccelkitOptimWrapper":
             raise ConfigError(
@@ -105,13 +175,18 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
             clip_grad=clip or None,
         )
     if not hasattr(cfg, "items"):
-        raise ConfigError(f"optim_wrapper must be a config dict, got {type(cfg).__name__}")
-    cfg = dict(cfg)
-    if "optimizer" not in cfg and "constructor" not in cfg:
-        raise ConfigError(
-            "accelkit's MMEngine adapter supports one optimizer per model; this optim_wrapper "
-            "config has none (several optimizers need an OptimWrapperDict, not supported yet)"
+        raise _ConfigTypeError(
+            f"optim_wrapper must be an OptimWrapper or a config dict, got {type(cfg).__name__}"
         )
+    cfg = dict(cfg)
+    if "optimizer" not in cfg:
+        what = (
+            f"this optim_wrapper config names constructor={_type_name(cfg['constructor'])!r} "
+            "and no 'optimizer'"
+            if "constructor" in cfg
+            else "this optim_wrapper config has no 'optimizer'"
+        )
+        raise _several_optimizers(what)
     wrapper_type = _type_name(cfg.get("type", "OptimWrapper"))
     if wrapper_type not in _WRAPPER_TYPES:
         raise ConfigError(
@@ -121,14 +196,22 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
     settings = TrainingSettings()
     if wrapper_type == "AmpOptimWrapper":
         dtype = cfg.pop("dtype", None)
-        cfg.pop("loss_scale", None)
         cfg.pop("use_fsdp", None)
         is_bf16 = dtype in ("bfloat16", torch.bfloat16)
         settings.precision = "bf16-mixed" if is_bf16 else "16-mixed"
+        scaler, static = read_loss_scale(cfg.pop("loss_scale", "dynamic"))
+        if scaler is not None and is_bf16:
+            raise ConfigError(
+                "AmpOptimWrapper loss_scale applies to float16: accelkit's bf16-mixed scales no "
+                "loss (bf16 has fp32's range); remove loss_scale, or use dtype='float16'"
+            )
+        settings.grad_scaler, settings.static_loss_scale = scaler, static
     cfg["type"] = "AccelkitOptimWrapper"
     settings.accumulation_steps = int(cfg.get("accumulative_counts", 1))
     clip = cfg.get("clip_grad")
     if clip is not None:
+        if not hasattr(clip, "items"):
+            raise ConfigError(f"clip_grad must be a dict, got {type(clip).__name__}")
         clip = dict(clip)
         clip_type = clip.pop("type", "norm")
         norm_type = float(clip.pop("norm_type", 2.0))
@@ -144,12 +227,108 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
             )
         clip.pop("foreach", None)
         if set(clip) != {"max_norm"}:
-            raise ConfigError(f"clip_grad: unknown keys {sorted(set(clip) - {'max_norm'})}")
+            unknown = sorted(set(clip) - {"max_norm"})
+            if unknown:  # torch's clip_grad_norm_ takes no such argument
+                raise _ConfigTypeError(f"clip_grad: unknown keys {unknown}")
+            raise _ConfigTypeError("clip_grad=dict(max_norm=X) needs max_norm")
         settings.max_grad_norm = float(clip["max_norm"])
     return cfg, settings
 
 
-def accelerator_kwargs(adapter: AdapterOptions, settings: TrainingSettings) -> dict[str, Any]:
+def backend_option_names(backend: str) -> tuple[frozenset[str], dict[str, Any]]:
+    """The option names of the backend ``backend`` resolves to (``auto`` picks one), and the
+    defaults its registered name sets (an alias's)."""
+    from accelkit import registry
+
+    host = registry.host()
+    spec = host.resolve(backend)
+    cls = spec.load_class()
+    defaults = dict(spec.defaults)
+    seen = {backend}
+    while (other := cls.select_backend()) is not None and other not in seen:
+        seen.add(other)
+        spec = host.resolve(other)
+        cls = spec.load_class()
+        defaults = dict(spec.defaults)
+    options_class = getattr(cls, "options_class", None)
+    if options_class is None or not dataclasses.is_dataclass(options_class):
+        return frozenset(), defaults
+    return frozenset(f.name for f in dataclasses.fields(options_class)), defaults
+
+
+def _options_set_by_user(adapter: AdapterOptions, alias_defaults: dict[str, Any]) -> set[str]:
+    """Backend options the user (or the backend name) chose: the section, its config, an
+    alias's defaults. A config that is an options object sets every option."""
+    from accelkit.config import load_config_source
+
+    chosen = set(adapter.options) | set(alias_defaults)
+    try:
+        chosen |= set(load_config_source(adapter.config))
+    except ConfigError:
+        pass  # accelkit.get reports a bad config
+    return chosen
+
+
+def mmengine_wrapper_options(
+    adapter: AdapterOptions,
+    model_wrapper_cfg: Any = None,
+    *,
+    find_unused_parameters: Any = None,
+    distributed: bool = True,
+) -> dict[str, Any]:
+    """Backend options that make the backend's DDP wrap the model as MMEngine would.
+
+    Without ``model_wrapper_cfg`` MMEngine wraps in ``MMDistributedDataParallel`` with
+    ``broadcast_buffers=False`` (and the config's top-level ``find_unused_parameters``), unlike
+    torch's DDP default; with it, the options it names (torch's defaults for the others).
+    Applied to backends whose options have these names (``ddp``, ``fairscale_oss``/``sdp``,
+    ``colossalai_ddp``/``zero``); what the ``accelkit`` section or the backend config sets wins.
+    """
+    names, alias_defaults = backend_option_names(adapter.backend)
+    chosen = _options_set_by_user(adapter, alias_defaults)
+    if model_wrapper_cfg is None:
+        wanted = dict(MMENGINE_DDP_DEFAULTS)
+        if find_unused_parameters is not None:
+            wanted["find_unused_parameters"] = bool(find_unused_parameters)
+        return {k: v for k, v in wanted.items() if k in names and k not in chosen}
+    if not hasattr(model_wrapper_cfg, "items"):
+        raise _ConfigTypeError(
+            f"model_wrapper_cfg must be a dict, got {type(model_wrapper_cfg).__name__}"
+        )
+    wrapper = dict(model_wrapper_cfg)
+    wrapper_type = _type_name(wrapper.pop("type", "MMDistributedDataParallel"))
+    for key in _PLACEMENT_KEYS:
+        wrapper.pop(key, None)
+    carried = wrapper_type in _DDP_WRAPPER_TYPES and set(wrapper) <= names
+    if not carried:
+        if not distributed:  # MMEngine ignores model_wrapper_cfg without a process group
+            log.info("model_wrapper_cfg ignored: not distributed (as MMEngine's Runner does)")
+            return {}
+        usable = sorted(names & {"broadcast_buffers", "find_unused_parameters", "bucket_cap_mb"})
+        raise ConfigError(
+            f"model_wrapper_cfg {dict(model_wrapper_cfg)!r} cannot be used with AccelkitRunner "
+            f"on backend {adapter.backend!r}: the backend wraps the model. "
+            + (
+                f"Options of MMDistributedDataParallel that it takes ({', '.join(usable)}, ...) "
+                "carry over; set the others in the accelkit section"
+                if usable
+                else "Set the backend's own options in the accelkit section instead"
+            )
+        )
+    for key, value in wrapper.items():
+        if key in adapter.options and adapter.options[key] != value:
+            raise ConfigError(
+                f"{key}={adapter.options[key]!r} in the accelkit section disagrees with "
+                f"model_wrapper_cfg ({key}={value!r}); keep one of them"
+            )
+    return wrapper
+
+
+def accelerator_kwargs(
+    adapter: AdapterOptions,
+    settings: TrainingSettings,
+    wrapper_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Keyword arguments of :func:`accelkit.get` (the backend name excluded)."""
     precision = adapter.precision
     if settings.precision is not None:
@@ -165,5 +344,5 @@ def accelerator_kwargs(adapter: AdapterOptions, settings: TrainingSettings) -> d
         precision=precision,
         accumulation_steps=settings.accumulation_steps,
         max_grad_norm=settings.max_grad_norm,
-        **adapter.options,
+        **{**(wrapper_options or {}), **adapter.options},
     )

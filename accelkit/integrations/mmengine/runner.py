@@ -63,7 +63,12 @@ class AccelkitRunner(Runner):
         if optim_cfg is not None:
             self.optim_wrapper = optim_cfg
         self._bridge = Bridge(adapter)
-        self._bridge.build_accelerator(settings)
+        self._bridge.build_accelerator(
+            settings,
+            model_wrapper_cfg=self.cfg.get("model_wrapper_cfg"),
+            find_unused_parameters=self.cfg.get("find_unused_parameters"),
+            launched_distributed=self.distributed,
+        )
         if self.distributed:
             dist_cfg = env_cfg.get("dist_cfg", {}) or {}
             join_process_group(dist_cfg.get("backend"), dist_cfg.get("timeout"))
@@ -76,13 +81,10 @@ class AccelkitRunner(Runner):
         return super().build_model(model)
 
     def wrap_model(self, model_wrapper_cfg: dict | None, model: Any) -> Any:
-        """Leave the model unwrapped: accelkit wraps it together with its optimizer."""
-        if model_wrapper_cfg is not None:
-            raise ConfigError(
-                "model_wrapper_cfg cannot be used with AccelkitRunner: the accelkit backend "
-                "wraps the model (DDP options such as find_unused_parameters go in "
-                "accelkit=dict(backend='ddp', find_unused_parameters=True))"
-            )
+        """Leave the model unwrapped: accelkit wraps it together with its optimizer.
+
+        ``model_wrapper_cfg`` was read in ``setup_env``: the DDP options it names went to the
+        backend's options, anything else was refused there."""
         if self._world_size == 1:
             return revert_sync_batchnorm(model)
         sync_bn = self.cfg.get("sync_bn", None)
@@ -113,6 +115,13 @@ class AccelkitRunner(Runner):
         if optim_wrapper is not self.optim_wrapper:
             optim_wrapper, _ = read_optim_wrapper_cfg(optim_wrapper)
         wrapper = super().build_optim_wrapper(optim_wrapper)
+        if not isinstance(wrapper, AccelkitOptimWrapper):  # a constructor built several
+            raise ConfigError(
+                f"optim_wrapper built a {type(wrapper).__name__}: accelkit's MMEngine adapter "
+                "trains one optimizer per model (several optimizers, an OptimWrapperDict, are not "
+                "supported yet); configure one optimizer, or train this model with MMEngine's "
+                "own Runner"
+            )
         self._setup_model(wrapper)
         return wrapper
 
