@@ -27,6 +27,14 @@ import torch
 
 from accelkit.backend import Capabilities, SetupResult
 from accelkit.backends.distributed import DistributedBackend, DistributedOptions
+from accelkit.backends.mesh import (
+    apply_plan,
+    build_mesh,
+    check_plan,
+    fsdp_mesh,
+    resolve_plan,
+    resolve_shape,
+)
 from accelkit.errors import ConfigError
 from accelkit.modules import (
     apply_activation_checkpointing,
@@ -77,6 +85,14 @@ class FSDPOptions(DistributedOptions):
     #: skip the gradient reduce-scatter inside an accumulation window; saves communication but
     #: keeps unsharded gradients (the full model's size in fp32) in memory until the window closes
     skip_sync_in_accumulation: bool = False
+    #: N-D parallelism (accelkit.backends.mesh): replicas of the sharded model (HSDP when > 1)
+    dp_replicate: int | None = None
+    #: ranks each replica's parameters are sharded over (None: what the world size leaves)
+    dp_shard: int | None = None
+    #: tensor-parallel degree; > 1 needs tp_plan
+    tp: int | None = None
+    #: {module name pattern: ParallelStyle}, or "auto" for the common transformer block shapes
+    tp_plan: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -312,9 +328,32 @@ class FSDPBackend(DistributedBackend):
         super().__init__(name, options, settings)
         #: id(param) -> (weakref, version) of parameters built on meta in init_module()
         self._meta_versions: dict[int, tuple[weakref.ref, int]] = {}
+        #: the N-D mesh (None: one flat dimension of sharding, accelkit's plain fsdp)
+        self.mesh: Any = None
+        self.mesh_shape: Any = None
 
     def make_precision(self) -> FSDPPrecision:
         return FSDPPrecision(self.settings.precision, self._device.type)
+
+    # ---- the device mesh (accelkit.backends.mesh) ----------------------------------------------
+    def launch(self) -> None:
+        super().launch()
+        o = self.options
+        self.mesh_shape = resolve_shape(self.world_size, o.dp_replicate, o.dp_shard, o.tp)
+        self.mesh = (
+            None if self.mesh_shape.is_flat else build_mesh(self._device.type, self.mesh_shape)
+        )
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.world_size if self.mesh is None else self.mesh_shape.dp
+
+    def data_parallel_group(self) -> Any:
+        return None if self.mesh is None else self.mesh["dp"].get_group()
 
     # ---- building the model -------------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
@@ -385,6 +424,15 @@ class FSDPBackend(DistributedBackend):
             materializer.check(model)
 
         model = self.precision.convert_module(model)
+        if self.mesh is not None and self.mesh_shape.tp > 1:
+            if has_meta:
+                raise ConfigError(
+                    "fsdp: tensor parallelism on a model built on the meta device is not "
+                    "supported yet; build it with accel.init_module(empty_init=False) or on the CPU"
+                )
+            plan = resolve_plan(model, self.options.tp_plan)
+            check_plan(model, plan, self.mesh_shape.tp)
+            apply_plan(model, self.mesh["tp"], plan)  # before FSDP2 shards the rest
         if activation_checkpointing:
             apply_activation_checkpointing(model, activation_checkpointing)
         blocks = _select_wrap_blocks(model, self.options.wrap_policy)
@@ -395,8 +443,13 @@ class FSDPBackend(DistributedBackend):
             if o.cpu_offload
             else OffloadPolicy()
         )
+        mesh = (
+            init_device_mesh(self.device.type, (self.world_size,))
+            if self.mesh is None
+            else fsdp_mesh(self.mesh, self.mesh_shape)
+        )
         shard_kwargs: dict[str, Any] = dict(
-            mesh=init_device_mesh(self.device.type, (self.world_size,)),
+            mesh=mesh,
             mp_policy=self.precision.mp_policy(),
             offload_policy=offload,
         )
@@ -510,8 +563,12 @@ class FSDPBackend(DistributedBackend):
         if local:
             parts.append(torch.nn.utils.get_total_norm(local).to(self.device))
         total = parts[0] if len(parts) == 1 else torch.stack([p.float() for p in parts]).norm()
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        if max_norm is not None:  # one foreach per mesh: DTensor ops cannot mix meshes
+            groups: dict[Any, list[torch.Tensor]] = {}
+            for p in params:
+                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+            for group in groups.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     def _sharded_norm(self, grads: list[Any], via_dtensor: bool | None = None) -> torch.Tensor:
@@ -528,8 +585,16 @@ class FSDPBackend(DistributedBackend):
         if via_dtensor is None:
             via_dtensor = all(g.to_local().device.type == mesh.device_type for g in grads)
         if via_dtensor:
-            norm = torch.nn.utils.get_total_norm(grads)
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+            # one norm per mesh (on an N-D mesh, tensor-parallel and plain parameters live on
+            # different meshes, which one foreach norm cannot mix), then the 2-norm of those
+            by_mesh: dict[Any, list[Any]] = {}
+            for g in grads:
+                by_mesh.setdefault(g.device_mesh, []).append(g)
+            norms = []
+            for group in by_mesh.values():
+                norm = torch.nn.utils.get_total_norm(group)
+                norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            return norms[0] if len(norms) == 1 else torch.stack(norms).norm()
         if mesh.ndim != 1 or not all(
             all(isinstance(pl, Shard) for pl in g.placements) for g in grads
         ):

@@ -345,12 +345,28 @@ def flat_range(
     return (sum(o * s for o, s in zip(offset, strides)), numel)
 
 
+def _first_of_other_dims(mesh: Any) -> bool:
+    """On an N-D mesh a DTensor may live on a slice of it (FSDP2's data-parallel dimensions,
+    without ``tp``): the slices hold the same pieces, so only the first slice writes them."""
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+    except (ImportError, AttributeError):  # pragma: no cover - older torch
+        return True
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is mesh or not names or not root_names or not set(names) <= set(root_names):
+        return True
+    return all(root.get_local_rank(d) == 0 for d in root_names if d not in names)
+
+
 def _dtensor_writes_here(tensor: Any) -> bool | None:
     """True if this rank writes its local shard; None if the placements need a gather."""
     from torch.distributed.tensor import Replicate, Shard
 
-    coord = tensor.device_mesh.get_coordinate()
-    if coord is None:
+    mesh = tensor.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None or not _first_of_other_dims(mesh):
         return False
     for placement, c in zip(tensor.placements, coord):
         if type(placement) is Replicate:

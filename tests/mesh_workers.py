@@ -1,0 +1,219 @@
+"""Workers of tests/test_fsdp_mesh.py: a small transformer trained on an N-D mesh by accelkit's
+``fsdp`` and by a raw-PyTorch reference (``init_device_mesh``, ``parallelize_module``,
+``fully_shard``; nothing from accelkit) with the same mesh, plan, data and accumulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, DIM, HEADS, SEQ, LAYERS = 64, 32, 4, 8, 2
+STEPS, ACCUMULATION, BATCH, MAX_NORM = 3, 3, 4, 0.05
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = HEADS
+        self.q_proj = torch.nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = torch.nn.Linear(DIM, DIM, bias=False)
+        self.v_proj = torch.nn.Linear(DIM, DIM, bias=False)
+        self.o_proj = torch.nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        head = DIM // HEADS  # under tensor parallelism each rank holds HEADS / tp heads: -1
+        q, k, v = (
+            p(x).view(b, t, -1, head).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(DIM)
+        self.attn = Attention()
+        self.norm2 = torch.nn.LayerNorm(DIM)
+        self.up_proj = torch.nn.Linear(DIM, 4 * DIM)
+        self.down_proj = torch.nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down_proj(F.gelu(self.up_proj(self.norm2(x))))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batches(dp_rank: int, dp_world: int) -> list[torch.Tensor]:
+    """Every micro-batch of the run; this data-parallel rank's rows."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, VOCAB, (STEPS * ACCUMULATION, BATCH * dp_world, SEQ + 1), generator=g)
+    return [d[dp_rank * BATCH : (dp_rank + 1) * BATCH] for d in data]
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def full_params(model: torch.nn.Module) -> dict[str, list[float]]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().float().reshape(-1).tolist()
+    return out
+
+
+def _plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(LAYERS):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            plan[f"blocks.{i}.attn.{n}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.o_proj"] = RowwiseParallel()
+        plan[f"blocks.{i}.up_proj"] = ColwiseParallel()
+        plan[f"blocks.{i}.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def reference(replicate: int, shard: int, tp: int) -> dict[str, Any]:
+    """Raw PyTorch: the same mesh, plan, FSDP2 units, accumulation and clipping."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=("r", "s", "t"))
+    torch.manual_seed(0)
+    model = TinyGPT()
+    if tp > 1:
+        parallelize_module(model, mesh["t"], _plan())
+    dp_mesh = mesh["r", "s"] if replicate > 1 else mesh["s"]
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp_rank = mesh["r"].get_local_rank() * shard + mesh["s"].get_local_rank()
+    losses, norms = [], []
+    data = batches(dp_rank, replicate * shard)
+    for step in range(STEPS):
+        for micro in range(ACCUMULATION):
+            last = micro == ACCUMULATION - 1
+            model.set_requires_gradient_sync(last)
+            loss = loss_of(model, data[step * ACCUMULATION + micro]) / ACCUMULATION
+            loss.backward()
+            mean = loss.detach().clone() * ACCUMULATION
+            dist.all_reduce(mean)
+            losses.append(mean.item() / dist.get_world_size())
+        # the global norm: per mesh (tensor-parallel and plain parameters live on different
+        # meshes), then combined; clip_grad_norm_ cannot mix meshes in one foreach
+        params = [p for p in model.parameters() if p.grad is not None]
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+        parts = [torch.nn.utils.get_total_norm(g) for g in by_mesh.values()]
+        parts = [n.full_tensor() if isinstance(n, DTensor) else n for n in parts]
+        norm = torch.stack(parts).square().sum().sqrt()
+        for group in by_mesh.values():  # clip mesh by mesh: one foreach cannot mix meshes
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for p in params if any(p.grad is g for g in group)], MAX_NORM, norm
+            )
+        norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    out = {"losses": losses, "norms": norms, "params": full_params(model)}
+    dist.destroy_process_group()
+    return out
+
+
+def accelkit_run(options: dict[str, Any]) -> dict[str, Any]:
+    import accelkit
+
+    accel = accelkit.get(
+        "fsdp", device="cpu", accumulation_steps=ACCUMULATION, max_grad_norm=MAX_NORM, **options
+    )
+    torch.manual_seed(0)
+    model = TinyGPT()
+    model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    backend = accel.backend
+    data = batches(backend.data_parallel_rank, backend.data_parallel_world_size)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATION):
+            with accel.accumulate(model):
+                loss = loss_of(model, data[step * ACCUMULATION + micro])
+                accel.backward(loss)  # accelkit divides by accumulation_steps
+            # the loss is the same on the tp ranks of a replica: mean over the replicas only
+            losses.append(float(accel.all_reduce(loss.detach(), "mean")))
+            if accel.step():
+                norms.append(float(accel.grad_norm))
+            opt.zero_grad()
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": full_params(model),
+        "dp": [backend.data_parallel_rank, backend.data_parallel_world_size],
+    }
+    accel.end_training()
+    return out
+
+
+def max_diff(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def save_job(options: dict[str, Any], path: str) -> dict[str, Any]:
+    """Train on the mesh, save the portable checkpoint, return the full weights."""
+    import accelkit
+
+    accel = accelkit.get("fsdp", device="cpu", max_grad_norm=MAX_NORM, **options)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    backend = accel.backend
+    data = batches(backend.data_parallel_rank, backend.data_parallel_world_size)
+    for tokens in data[:2]:
+        accel.backward(loss_of(model, tokens))
+        accel.step()
+        opt.zero_grad()
+    accel.save(path, {"model": model, "optimizer": opt})
+    out = {"params": full_params(model)}
+    accel.end_training()
+    return out
+
+
+def load_job(options: dict[str, Any], path: str) -> dict[str, Any]:
+    """Load the checkpoint into a fresh model on this layout; one more step."""
+    import accelkit
+
+    backend_name = options.pop("backend", "fsdp")
+    extra = {"device": "cpu"} if backend_name == "fsdp" else {}
+    accel = accelkit.get(backend_name, max_grad_norm=MAX_NORM, **extra, **options)
+    torch.manual_seed(1)  # other initial weights: the load must replace them
+    model = TinyGPT()
+    model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    accel.load(path, {"model": model, "optimizer": opt})
+    out = {"params": full_params(accel.unwrap(model))}
+    accel.end_training()
+    return out
