@@ -217,3 +217,28 @@ def load_job(options: dict[str, Any], path: str) -> dict[str, Any]:
     out = {"params": full_params(accel.unwrap(model))}
     accel.end_training()
     return out
+
+
+def single_process(dp_world: int) -> dict[str, Any]:
+    """Raw PyTorch on one process: the whole global batch (every data-parallel rank's rows)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = batches(0, 1) if dp_world == 1 else _global_batches(dp_world)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATION):
+            loss = loss_of(model, data[step * ACCUMULATION + micro])
+            (loss / ACCUMULATION).backward()
+            losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "params": full_params(model)}
+
+
+def _global_batches(dp_world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return list(
+        torch.randint(0, VOCAB, (STEPS * ACCUMULATION, BATCH * dp_world, SEQ + 1), generator=g)
+    )

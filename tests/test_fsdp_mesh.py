@@ -5,7 +5,9 @@ saved on one layout resumes bit for bit on every other, and a damaged one fails.
 
 Tolerance: the measured floor between accelkit and the reference is 1.7e-6 on the weights and
 6e-8 on the grad norms (fp32, 3 optimizer steps of accumulation 3 with clipping; the same math
-reduced in another order); the assertions allow 1e-5."""
+reduced in another order); the assertions allow 1e-5. Against one process training the whole
+global batch the floor is 1.4e-5 on the weights (gradients summed over ranks in another order);
+that pair allows 1e-4."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from accelkit.testing import run_ranks
 
 HERE = Path(__file__).parent
 TOLERANCE = 1e-5
+SINGLE_PROCESS_TOLERANCE = 1e-4
 
 
 # ---- shapes and plans: refused at get() / setup(), naming what to change -----------------------
@@ -101,6 +104,11 @@ def test_training_on_the_mesh_matches_raw_pytorch(shape):
         assert max(abs(a - b) for a, b in zip(result["norms"], ref[rank]["norms"])) < TOLERANCE
         assert max_diff(result["params"], ref[rank]["params"]) < TOLERANCE
     assert min(ref[0]["norms"]) > 0.05, "the reference never clipped: the check would be blind"
+    from mesh_workers import single_process
+
+    one = single_process(replicate * shard)
+    assert max(abs(a - b) for a, b in zip(ours[0]["losses"], one["losses"])) < TOLERANCE
+    assert max_diff(ours[0]["params"], one["params"]) < SINGLE_PROCESS_TOLERANCE
 
 
 # ---- resume on any layout ----------------------------------------------------------------------
