@@ -541,6 +541,36 @@ class Accelerator:
 
         return save(self, path, state, **kwargs)
 
+    def load_pretrained(
+        self,
+        model: torch.nn.Module,
+        source: str | os.PathLike,
+        *,
+        strict: bool = True,
+        rename: Any = None,
+        strip_prefix: str | None = None,
+        add_prefix: str | None = None,
+    ) -> None:
+        """Fill the set-up ``model`` with pretrained weights, each rank reading only its pieces.
+
+        ``source``: a Hugging Face-style directory (``model.safetensors``, or shards with
+        ``model.safetensors.index.json``), one ``.safetensors`` file, or an accelkit checkpoint.
+        ``rename`` (a mapping or callable; None drops a key), then ``strip_prefix`` /
+        ``add_prefix``, turn the file's names into the model's. ``strict``: missing and
+        unexpected names raise (else they are logged). Shapes and dtypes are checked before
+        anything is written; floats convert (bf16 files into fp32 weights). Collective."""
+        from accelkit.checkpoint import load_pretrained
+
+        load_pretrained(
+            self,
+            model,
+            source,
+            strict=strict,
+            rename=rename,
+            strip_prefix=strip_prefix,
+            add_prefix=add_prefix,
+        )
+
     def load(
         self,
         path: str | os.PathLike,

@@ -49,6 +49,7 @@ __all__ = [
     "dense_fragments",
     "load",
     "load_dense_fragments",
+    "load_pretrained",
     "resolve",
     "save",
 ]
@@ -97,6 +98,47 @@ def load(
         error = err
     agree(error, f"loading {path}")
     return unconsumed
+
+
+def load_pretrained(
+    accel: Any,
+    model: Any,
+    source: str | os.PathLike,
+    *,
+    strict: bool = True,
+    rename: Any = None,
+    strip_prefix: str | None = None,
+    add_prefix: str | None = None,
+) -> None:
+    """Fill ``model`` (set up on any backend) from pretrained weights; see
+    :mod:`accelkit.checkpoint.pretrained`. An accelkit checkpoint loads its ``"model"``."""
+    from accelkit.checkpoint import background
+    from accelkit.checkpoint.pretrained import open_pretrained
+
+    background.wait()
+    source = Path(source)
+    if source.is_dir() and (
+        (source / "accelkit.json").is_file() or (source / storage.LATEST_NAME).is_file()
+    ):
+        if rename is not None or strip_prefix or add_prefix:
+            raise CheckpointError(
+                f"{source} is an accelkit checkpoint: its names are the model's own; rename, "
+                "strip_prefix and add_prefix apply to safetensors sources only"
+            )
+        load(accel, source, {"model": model}, strict=strict, rng=False)
+        return
+    backend = backend_of(accel)
+    reader, error = None, None
+    try:
+        reader = open_pretrained(
+            source, strict=strict, rename=rename, strip_prefix=strip_prefix, add_prefix=add_prefix
+        )
+    except Exception as err:
+        error = err
+    agree(error, f"loading {source}")
+    assert reader is not None
+    with reader:
+        _load_from(backend, reader, {"model": model}, rng=False)
 
 
 def _load(

@@ -20,10 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,15 +89,25 @@ class CheckpointReader:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, strict: bool = True, verify: bool = True
+        self,
+        directory: str | os.PathLike,
+        *,
+        strict: bool = True,
+        verify: bool = True,
+        manifest: Manifest | None = None,
+        described_by: str | os.PathLike | None = None,
     ) -> None:
+        """``manifest``: read these files as it describes them (pretrained safetensors, which
+        have no ``accelkit.json``; ``described_by`` names what the messages cite instead)."""
         from accelkit.checkpoint.storage import resolve
 
-        self.directory = resolve(directory)
+        self.directory = resolve(directory) if manifest is None else Path(directory)
         self.strict = strict
         self.verify = verify
-        self.manifest = Manifest.read(self.directory)
-        self.manifest_path = self.directory / MANIFEST_NAME
+        self.manifest = Manifest.read(self.directory) if manifest is None else manifest
+        self.manifest_path = (
+            self.directory / MANIFEST_NAME if described_by is None else Path(described_by)
+        )
         self._index: dict[tuple[str, str, str], TensorEntry] = {
             (t.object, t.kind, t.fqn): t for t in self.manifest.tensors
         }
@@ -212,7 +224,8 @@ class CheckpointReader:
                 f"{path}: key {frag.key} of tensor {entry.label} is {code}, the manifest says "
                 f"{entry.dtype}"
             )
-        if info.get("shape") != [frag.numel]:
+        shape = info.get("shape")
+        if not isinstance(shape, list) or math.prod(shape) != frag.numel:
             raise CheckpointError(
                 f"{path}: key {frag.key} of tensor {entry.label} has shape {info.get('shape')}, "
                 f"the manifest says [{frag.numel}]"

@@ -86,6 +86,7 @@ def check_dense_load(
                         f"{list(saved.shape)}, the target has {list(live)}; "
                         "nothing was loaded"
                     )
+            _check_kind(reader, source, target)
             if getattr(target, "device", None) is not None and target.device.type == "meta":
                 raise CheckpointError(
                     f"tensor {entry.label}: the target is on the meta device; materialize the "
@@ -106,6 +107,26 @@ def check_dense_load(
         # compare state keys with the live ones only for torch's optimizers
         live = opt.state if type(opt).__module__.startswith("torch.optim") else None
         check_optimizer(reader, name, groups, names, live)
+
+
+def _check_kind(reader: Any, entry: Any, target: Any) -> None:
+    """Values convert between float dtypes (bf16 files into fp32 weights), never between a
+    float and an integer or boolean tensor."""
+    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+
+    stored = DTYPES_BY_NAME.get(entry.dtype)
+    dtype = getattr(target, "dtype", None)
+    if stored is None or dtype is None:
+        return
+    if (stored.is_floating_point, stored == torch.bool) != (
+        dtype.is_floating_point,
+        dtype == torch.bool,
+    ):
+        raise CheckpointError(
+            f"tensor {entry.label}: the checkpoint ({reader.manifest_path}) holds {entry.dtype}, "
+            f"the target is {str(dtype).removeprefix('torch.')}; a value of one cannot become "
+            "the other. Nothing was loaded"
+        )
 
 
 def _primary(reader: Any, name: str) -> Any:

@@ -1,0 +1,53 @@
+"""Workers of tests/test_pretrained.py: a small Transformers GPT-2 (built locally from a config,
+no network) loaded with ``accel.load_pretrained`` on a given backend; returns its logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CONFIG = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+
+
+def make_config() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(**CONFIG)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(
+        0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3)
+    )
+
+
+def pretrained(directory: str, seed: int = 0, dtype: torch.dtype | None = None) -> list:
+    """Write a GPT-2 with save_pretrained (several shards); return its fp32 logits."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(make_config()).eval()
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory, max_shard_size="100KB")
+    with torch.no_grad():
+        return model.float()(tokens()).logits.tolist()
+
+
+def load_job(directory: str, backend: str = "cpu", options: dict | None = None) -> dict[str, Any]:
+    from transformers import GPT2LMHeadModel
+
+    import accelkit
+
+    accel = accelkit.get(backend, **(options or {}))
+    torch.manual_seed(1)  # other weights: the load must replace every one
+    model = GPT2LMHeadModel(make_config()).eval()
+    model = accel.setup(model)
+    accel.load_pretrained(model, directory)
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    out = {"logits": logits.tolist()}
+    accel.end_training()
+    return out
