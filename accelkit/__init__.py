@@ -36,6 +36,7 @@ _LAZY = {
     "PluginMissingError": "accelkit.errors",
     "UnsupportedError": "accelkit.errors",
     "register_plugin": "accelkit.registry",
+    "find_executable_batch_size": "accelkit.memory",
 }
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "PluginMissingError",
     "UnsupportedError",
     "register_plugin",
+    "find_executable_batch_size",
 ]
 
 if TYPE_CHECKING:
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
         UnsupportedError,
     )
     from accelkit.launcher import launch
+    from accelkit.memory import find_executable_batch_size
     from accelkit.registry import register_plugin
     from accelkit.seed import seed_everything
 

@@ -677,6 +677,29 @@ class Accelerator:
 
         return main_process_first(self, local=local, timeout_s=timeout_s)
 
+    def free_memory(self) -> None:
+        """Forget every model, optimizer, scheduler and loader set up so far, let the backend
+        release what it built for them (:meth:`~accelkit.backend.Backend.release`: engines,
+        wrappers), and free cached memory. For a retry after an out-of-memory error
+        (:func:`accelkit.find_executable_batch_size`) or a fresh start in the same process;
+        set up again before training."""
+        import gc
+
+        from accelkit.checkpoint import background
+
+        background.wait()
+        self.backend.release()
+        self._optimizers.clear()
+        self._models.clear()
+        self._schedulers.clear()
+        self._windows.clear()
+        self._loaders.clear()
+        self._active_loaders.clear()
+        self._last = StepResult()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def wait_for_save(self) -> None:
         """Block until an ``accel.save(..., asynchronous=True)`` in flight is committed; raise
         :class:`~accelkit.errors.CheckpointError` if it failed. The next save, ``load``,

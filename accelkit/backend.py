@@ -193,6 +193,11 @@ class Backend:
     def teardown(self) -> None:
         """Release what ``launch`` acquired (the process group is left to its owner)."""
 
+    def release(self) -> None:
+        """Hook: drop every reference to what :meth:`setup` built (engines, wrappers), so that
+        ``Accelerator.free_memory()`` can free an attempt's memory. Gets and returns nothing;
+        the backend must accept a new ``setup`` afterwards. The default holds nothing."""
+
     # ---- placement ----------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

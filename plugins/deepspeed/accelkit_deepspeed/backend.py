@@ -489,6 +489,14 @@ class DeepSpeedBackend(DistributedBackend):
     def teardown(self) -> None:
         self._records.clear()
 
+    def release(self) -> None:
+        """Destroy every engine built so far (its hooks, buffers and optimizer go with it)."""
+        for record in self._records:
+            destroy = getattr(record.engine, "destroy", None)
+            if callable(destroy):
+                destroy()
+        self._records.clear()
+
 
 # ---- helpers --------------------------------------------------------------------------------
 def _as_tensor(value: Any) -> torch.Tensor | None:
