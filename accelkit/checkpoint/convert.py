@@ -1043,14 +1043,18 @@ def convert(
     obj: str | None = None,
     strip_prefix: str | None = None,
     progress: bool | None = None,
+    to: str | None = None,
 ) -> Path:
     """Convert ``src`` to ``dst``: a portable checkpoint into one file, or any importable
-    format into a portable checkpoint."""
+    format into a portable checkpoint. ``to='mmengine'``: a portable checkpoint of accelkit's
+    MMEngine adapter into the ``.pth`` plain MMEngine resumes (needs MMEngine)."""
     try:
         storage.resolve(src)
         portable = True
     except CheckpointError:
         portable = False
+    if to is not None:
+        return _export_to(to, src, dst, portable=portable, fmt=fmt, obj=obj, strip=strip_prefix)
     if portable:
         return export_file(src, dst, obj=obj, fmt=fmt, progress=progress)
     if not Path(src).exists():
@@ -1070,6 +1074,42 @@ def convert(
         f"{src}: not a portable checkpoint, and no importer recognises it "
         f"(importers: {', '.join(sorted(available))})"
     )
+
+
+#: ``convert(..., to=NAME)``: the foreign training framework a portable checkpoint goes to
+EXPORT_TARGETS = ("mmengine",)
+
+
+def _export_to(
+    to: str,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    portable: bool,
+    fmt: str | None,
+    obj: str | None,
+    strip: str | None,
+) -> Path:
+    if to not in EXPORT_TARGETS:
+        raise CheckpointError(f"unknown export target {to!r}; choose from {EXPORT_TARGETS}")
+    if not portable:
+        raise CheckpointError(
+            f"{src}: --to {to} exports a portable checkpoint, and this is not one"
+        )
+    given = [
+        flag
+        for flag, value in (("--format", fmt), ("--object", obj), ("--strip-prefix", strip))
+        if value is not None
+    ]
+    if given:
+        raise CheckpointError(
+            f"--to {to} writes {to}'s own format; {', '.join(given)} do not apply"
+        )
+    try:
+        from accelkit.integrations.mmengine.checkpoint import export_mmengine
+    except ImportError as err:
+        raise CheckpointError(f"--to mmengine needs MMEngine installed ({err})") from err
+    return export_mmengine(src, dst)
 
 
 @hookimpl

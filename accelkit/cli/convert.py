@@ -11,7 +11,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "Convert a portable checkpoint into one state-dict file (.safetensors, or .pt) that "
         "model.load_state_dict accepts, or a plain state-dict file, a "
         "torch.distributed.checkpoint directory or a Lightning/Fabric checkpoint into a "
-        "portable checkpoint. Pickled inputs need --trust-pickle."
+        "portable checkpoint. Pickled inputs need --trust-pickle. With --to mmengine, a "
+        "checkpoint written by AccelkitRunner/AccelkitStrategy becomes the .pth that plain "
+        "MMEngine's Runner resumes (weights, optimizer, schedulers, message hub, meta)."
     )
     parser.add_argument("src", help="a portable checkpoint, or a file/directory to import")
     parser.add_argument("dst", help="the file to export to, or the checkpoint directory to create")
@@ -25,6 +27,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         choices=("safetensors", "pt"),
         default=None,
         help="export format (default: from DST's suffix, else safetensors)",
+    )
+    parser.add_argument(
+        "--to",
+        choices=("mmengine",),
+        default=None,
+        help="write a training framework's own checkpoint file instead (mmengine: the .pth "
+        "Runner.resume loads; a pickle, as MMEngine's own)",
     )
     parser.add_argument("--object", default=None, help="which module of the checkpoint to export")
     parser.add_argument(
@@ -52,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             obj=args.object,
             strip_prefix=args.strip_prefix,
             progress=args.progress,
+            to=args.to,
         )
     except CheckpointError as err:
         print(f"accelkit convert: {err}", file=sys.stderr)

@@ -4,7 +4,10 @@ An MMEngine checkpoint is a pickled dict: ``state_dict``, ``optimizer``, ``param
 ``message_hub`` (HistoryBuffers of numpy arrays) and ``meta``. Here weights and optimizer state go
 through ``accel.save``/``accel.load`` (each rank writes and reads its own fragments), and the rest
 is encoded as tagged JSON (tuples, Counters, numpy arrays and HistoryBuffers survive the round
-trip), stored as one extra of the checkpoint. Loading unpickles nothing.
+trip), stored as one extra of the checkpoint; tensors in it (a metric a hook put into the message
+hub, EMAHook's averaged weights) are stored as tensors in the rank file and referenced from the
+JSON. Loading unpickles nothing. :func:`export_mmengine` writes the same content as MMEngine's
+own ``.pth`` (``accelkit convert SRC DST --to mmengine``).
 
 A foreign, pickled ``.pth`` (MMEngine's own, or a plain ``torch.save`` of a state dict) loads only
 with ``trust_pickle=True``, and then only with the globals an MMEngine checkpoint needs, allowed for
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,10 +43,12 @@ log = logging.getLogger("accelkit")
 
 #: name of the checkpoint extra that holds MMEngine's own state (tagged JSON)
 EXTRA_KEY = "mmengine"
-#: name of the extra that holds what hooks added as tensors (EMAHook's ``ema_state_dict``)
+#: the extra where earlier versions kept entries holding tensors (read, no longer written)
 TENSOR_EXTRA_KEY = "mmengine_tensors"
 #: file that marks a directory as an accelkit portable checkpoint
 MANIFEST = "accelkit.json"
+#: the names the adapter gives the model and the optimizer in a portable checkpoint
+MODEL_OBJECT, OPTIMIZER_OBJECT = "model", "optimizer"
 
 
 # ---- tagged JSON --------------------------------------------------------------------------------
@@ -54,10 +60,20 @@ def _array(value: Any) -> dict[str, Any]:
     return {"dtype": str(value.dtype), "shape": list(value.shape), "data": value.ravel().tolist()}
 
 
-def encode(obj: Any, path: str = "") -> Any:
-    """Turn MMEngine state into JSON-able data that :func:`decode` turns back, type for type."""
+def encode(obj: Any, path: str = "", *, keep_tensors: bool = False, lenient: bool = False) -> Any:
+    """Turn MMEngine state into JSON-able data that :func:`decode` turns back, type for type.
+
+    ``keep_tensors``: leave tensors as (detached, CPU) tensors for the checkpoint's own codec,
+    which stores them in the rank file and references them from the JSON; otherwise they become
+    tagged lists. ``lenient``: drop, with a warning, the dictionary entries that cannot be
+    stored instead of failing the whole value (MMEngine pickles whatever a hook puts into the
+    message hub; accelkit keeps what it can store without pickle).
+    """
     import numpy as np
     from mmengine.logging import HistoryBuffer
+
+    def inner(value: Any, where: str) -> Any:
+        return encode(value, where, keep_tensors=keep_tensors, lenient=lenient)
 
     if isinstance(obj, np.ndarray):
         return {"$ndarray": _array(obj)}
@@ -67,25 +83,34 @@ def encode(obj: Any, path: str = "") -> Any:
         return obj
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu()
+        if keep_tensors:
+            return t
         return {"$tensor": {**_array(t), "dtype": str(t.dtype).removeprefix("torch.")}}
     if isinstance(obj, torch.dtype):
         return {"$torch_dtype": str(obj).removeprefix("torch.")}
     if isinstance(obj, HistoryBuffer):
         return {
             "$history_buffer": {
-                "log": encode(obj._log_history, f"{path}.log"),
-                "count": encode(obj._count_history, f"{path}.count"),
+                "log": inner(obj._log_history, f"{path}.log"),
+                "count": inner(obj._count_history, f"{path}.count"),
                 "max_length": obj.max_length,
             }
         }
     if isinstance(obj, list):
-        return [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return [inner(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, tuple):
-        return {"$tuple": [encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"$tuple": [inner(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, (set, frozenset)):
-        return {"$set": [encode(v, f"{path}{{}}") for v in obj]}
+        return {"$set": [inner(v, f"{path}{{}}") for v in obj]}
     if isinstance(obj, dict):
-        items = [(k, encode(v, f"{path}.{k}")) for k, v in obj.items()]
+        items = []
+        for k, v in obj.items():
+            try:
+                items.append((k, inner(v, f"{path}.{k}")))
+            except Unencodable as err:
+                if not lenient:
+                    raise
+                log.warning("not saved in the checkpoint: %s", err)
         plain = type(obj) is dict and all(isinstance(k, str) and not k.startswith("$") for k in obj)
         if plain:
             return dict(items)
@@ -100,19 +125,19 @@ def encode(obj: Any, path: str = "") -> Any:
     raise Unencodable(f"{path or 'value'}: cannot store a {type(obj).__name__} without pickle")
 
 
-def encode_lenient(obj: dict[str, Any], what: str) -> dict[str, Any]:
+def encode_lenient(obj: dict[str, Any], what: str, *, keep_tensors: bool = False) -> dict[str, Any]:
     """Encode each entry of a dict, dropping (with a warning) the ones that cannot be stored."""
     out = {}
     for key, value in obj.items():
         try:
-            out[key] = encode(value, f"{what}.{key}")
+            out[key] = encode(value, f"{what}.{key}", keep_tensors=keep_tensors, lenient=True)
         except Unencodable as err:
             log.warning("not saved in the checkpoint: %s", err)
     return out
 
 
 def decode(data: Any) -> Any:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode` (tensors kept by ``keep_tensors`` come back as they are)."""
     import numpy as np
     from mmengine.logging import HistoryBuffer
 
@@ -153,16 +178,6 @@ def is_portable(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
-def _holds_tensors(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensors(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_holds_tensors(v) for v in value)
-    return False
-
-
 def swap_ema_state(model_state: dict[str, Any], ema_state: dict[str, Any]) -> None:
     """Exchange ``module.<name>`` entries of ``ema_state`` with ``<name>`` of ``model_state``.
 
@@ -186,29 +201,54 @@ def save(
 ) -> None:
     """Write ``model`` (and ``optimizer``) fragments plus MMEngine's ``checkpoint`` dict.
 
-    The dict's plain entries (meta, message hub, scheduler states) become tagged JSON; entries
-    holding tensors that hooks added (EMAHook's ``ema_state_dict``) are stored as tensors.
+    The dict (meta, message hub, scheduler states, what hooks added) becomes tagged JSON with
+    MMEngine's types; the tensors in it (a tensor metric in the message hub, EMAHook's
+    ``ema_state_dict``) are stored as tensors, referenced from the JSON.
     """
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         state["optimizer"] = optimizer
-    tensors = {k: v for k, v in checkpoint.items() if _holds_tensors(v)}
-    plain = {k: v for k, v in checkpoint.items() if k not in tensors}
-    state[EXTRA_KEY] = encode_lenient(plain, "checkpoint")
-    if tensors:
-        state[TENSOR_EXTRA_KEY] = {k: _plain_containers(v) for k, v in tensors.items()}
+    state[EXTRA_KEY] = encode_lenient(checkpoint, "checkpoint", keep_tensors=True)
     accel.save(path, state, step=step)
 
 
-def _plain_containers(value: Any) -> Any:
-    """OrderedDicts as dicts, tensors detached on the CPU: what the checkpoint's codec takes."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _plain_containers(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain_containers(v) for v in value)
-    return value
+def save_before_setup(
+    accel: Accelerator,
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    checkpoint: dict[str, Any],
+    before_save: Any = None,
+) -> None:
+    """Save a model that ``train()``/``val()`` has not set up yet, as MMEngine's
+    ``runner.save_checkpoint`` does before training: the weights as built, plus ``checkpoint``
+    (meta, message hub).
+
+    ``before_save`` (the ``before_save_checkpoint`` hooks) sees ``checkpoint['state_dict']`` as
+    in MMEngine. Every rank holds the whole model, so rank 0 writes a world-size-1 portable
+    checkpoint, which any backend loads; the others wait for it.
+    """
+    from accelkit.checkpoint.convert import Imported, write_portable
+    from accelkit.checkpoint.fqn import canonical_fqn
+
+    checkpoint = dict(checkpoint)
+    checkpoint["state_dict"] = model.state_dict()
+    if before_save is not None:
+        before_save(checkpoint)
+    state_dict = checkpoint.pop("state_dict")
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tensors = {
+        (MODEL_OBJECT, "param" if name in parameters else "buffer", canonical_fqn(name)): t.cpu()
+        for name, t in state_dict.items()
+        if isinstance(t, torch.Tensor)
+    }
+    if accel.rank == 0:
+        objects = {MODEL_OBJECT: {"type": "module", "class": type(model).__qualname__}}
+        extras = {EXTRA_KEY: encode_lenient(checkpoint, "checkpoint", keep_tensors=True)}
+        step = checkpoint.get("meta", {}).get("iter")
+        imported = Imported(tensors, objects, extras, f"mmengine:{accel.name}", step=step)
+        write_portable(imported, path, progress=False)
+    accel.barrier()
 
 
 def load(
@@ -223,9 +263,13 @@ def load(
     state: dict[str, Any] = {"model": model}
     if optimizer is not None:
         state["optimizer"] = optimizer
-    rest = accel.load(path, state, strict=strict) or {}
-    checkpoint = decode(rest.get(EXTRA_KEY) or {})
-    checkpoint.update(rest.get(TENSOR_EXTRA_KEY) or {})
+    return mmengine_state(accel.load(path, state, strict=strict) or {})
+
+
+def mmengine_state(extras: dict[str, Any]) -> dict[str, Any]:
+    """MMEngine's checkpoint dict (less weights and optimizer) from a checkpoint's extras."""
+    checkpoint = decode(extras.get(EXTRA_KEY) or {})
+    checkpoint.update(extras.get(TENSOR_EXTRA_KEY) or {})  # written before tensors went inline
     return checkpoint
 
 
@@ -422,3 +466,82 @@ def load_full_state_dict(
     with tempfile.TemporaryDirectory(prefix="accelkit-load-from-") as tmp:
         path = write_portable(imported, os.path.join(tmp, "checkpoint"), progress=False)
         accel.load(path, state, strict=strict, rng=False)
+
+
+# ---- export to MMEngine's own format -------------------------------------------------------------
+
+
+def export_mmengine(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Write portable checkpoint ``src`` (saved by AccelkitRunner or AccelkitStrategy) as the
+    ``.pth`` MMEngine's own Runner writes, so that plain MMEngine resumes it.
+
+    ``state_dict`` (the model's weights, as ``model.state_dict()`` names them), ``optimizer``
+    (a torch optimizer state dict: parameters numbered in param-group order, as torch's
+    ``state_dict`` numbers them), ``param_schedulers``, ``message_hub`` (HistoryBuffers),
+    ``meta`` (epoch, iter, seed, ...) and what hooks saved (EMAHook's ``ema_state_dict``, in
+    MMEngine's swapped layout). Read from any world size and backend; written by ``torch.save``
+    (a pickle, as MMEngine's are). Not carried: accelkit's RNG state (MMEngine stores none) and a
+    backend's own state (a fp16 loss scale starts again from its initial value).
+    """
+    from accelkit.checkpoint.codec import decode as decode_json
+    from accelkit.checkpoint.reader import CheckpointReader
+
+    with CheckpointReader(src) as reader:
+        objects = reader.manifest.objects
+        if EXTRA_KEY not in objects or objects.get(MODEL_OBJECT, {}).get("type") != "module":
+            raise CheckpointError(
+                f"{reader.directory}: not a checkpoint of accelkit's MMEngine adapter (it has no "
+                f"{MODEL_OBJECT!r} module and {EXTRA_KEY!r} extra; objects: {sorted(objects)}). "
+                "Export its weights with `accelkit convert SRC DST.pt` instead"
+            )
+        checkpoint = mmengine_state(reader.extras())
+        state_dict: dict[str, torch.Tensor] = {}
+        for entry in reader.entries(MODEL_OBJECT):
+            if entry.kind in ("param", "buffer"):
+                tensor = reader.read(entry)
+                for name in (entry.fqn, *entry.aliases):
+                    state_dict[name] = tensor
+        if objects.get(OPTIMIZER_OBJECT, {}).get("type") == "optimizer":
+            checkpoint["optimizer"] = _torch_optimizer_state(reader, OPTIMIZER_OBJECT, decode_json)
+        reader.finish()  # every checksum verified before anything is written
+    ema = checkpoint.get("ema_state_dict")
+    if isinstance(ema, dict):
+        ema = checkpoint["ema_state_dict"] = collections.OrderedDict(ema)
+        swap_ema_state(state_dict, ema)  # MMEngine keeps the averaged weights in state_dict
+    checkpoint["state_dict"] = collections.OrderedDict(state_dict)
+    ordered = {k: checkpoint.pop(k) for k in ("meta", "state_dict") if k in checkpoint}
+    ordered.update(checkpoint)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.accelkit-tmp")
+    try:
+        torch.save(ordered, tmp)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote %s: MMEngine's checkpoint format (%s)", dst, ", ".join(ordered))
+    return dst
+
+
+def _torch_optimizer_state(reader: Any, name: str, decode_json: Any) -> dict[str, Any]:
+    """Optimizer ``name`` of a portable checkpoint as ``torch.optim.Optimizer.state_dict()``
+    gives it: parameters numbered 0, 1, ... through the param groups in order, which is how
+    ``load_state_dict`` matches them to the live optimizer's parameters."""
+    info = reader.object_info(name, "optimizer")
+    tensors = reader.optimizer_entries(name)
+    scalars = info.get("scalar_state", {}) or {}
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in info.get("param_groups", []):
+        ids = []
+        for pname in group.get("params", []):
+            per_param = {key: reader.read(entry) for key, entry in tensors.get(pname, {}).items()}
+            per_param.update({k: decode_json(v) for k, v in scalars.get(pname, {}).items()})
+            if per_param:
+                state[index] = per_param
+            ids.append(index)
+            index += 1
+        settings = {k: decode_json(v) for k, v in group.items() if k != "params"}
+        groups.append({**settings, "params": ids})
+    return {"state": state, "param_groups": groups}

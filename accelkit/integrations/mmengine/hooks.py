@@ -1,5 +1,5 @@
 """``AccelkitCheckpointHook``: MMEngine's CheckpointHook, deleting old checkpoints only after the
-new one is complete.
+new one is complete, and writing accelkit's log lines into the runner's log file.
 
 MMEngine's hook (mmengine/hooks/checkpoint_hook.py, ``_save_checkpoint_with_step``) removes the
 oldest checkpoint *before* writing the new one, so with ``max_keep_ckpts=1`` a crash during the
@@ -7,10 +7,15 @@ save leaves no checkpoint at all. This subclass writes first (accelkit's save is
 sibling, then rename) and then removes what ``max_keep_ckpts`` no longer keeps. AccelkitRunner
 uses it in place of CheckpointHook automatically; with FlexibleRunner set
 ``default_hooks=dict(checkpoint=dict(type='AccelkitCheckpointHook', ...))``.
+
+accelkit logs through the ``accelkit`` logger ("saved ...", warnings about a load), which prints
+to the console only; MMEngine users read ``work_dir/<timestamp>/<timestamp>.log``. From
+``before_run`` to ``after_run`` the hook hands those lines to the runner's log files as well.
 """
 
 from __future__ import annotations
 
+import logging
 import os.path as osp
 from typing import Any
 
@@ -18,9 +23,64 @@ from mmengine.dist import is_main_process
 from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
 
+from accelkit.log import LOGGER_NAME
+
+
+class RunnerLogFileHandler(logging.Handler):
+    """Writes ``accelkit`` log records into the file handlers of a runner's MMLogger.
+
+    Only the files: accelkit's own handler prints to the console already. Each file handler's
+    level and filters apply, so ``log_level='WARNING'`` keeps accelkit's info lines out too.
+    """
+
+    def __init__(self, runner_logger: logging.Logger) -> None:
+        super().__init__()
+        self.runner_logger = runner_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in self.runner_logger.handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+
+
+def _forwarders(logger: logging.Logger) -> list[RunnerLogFileHandler]:
+    return [h for h in logger.handlers if isinstance(h, RunnerLogFileHandler)]
+
 
 @HOOKS.register_module()
 class AccelkitCheckpointHook(CheckpointHook):
+    """MMEngine's CheckpointHook (same arguments, same files) with two differences: an old
+    checkpoint is deleted only after the new one is complete (``max_keep_ckpts`` never leaves
+    zero checkpoints after a crash), and accelkit's log lines ("saved ...") go into the runner's
+    log file while the runner runs. AccelkitRunner puts it in place of CheckpointHook."""
+
+    def before_run(self, runner: Any) -> None:
+        super().before_run(runner)
+        logger = logging.getLogger(LOGGER_NAME)
+        current = _forwarders(logger)
+        if getattr(self, "_forwarder", None) is not None and self._forwarder in current:
+            self._runs += 1  # a nested run (val() inside train()) keeps the outer forwarder
+            return
+        for stale in current:  # left by a run that raised before its after_run
+            logger.removeHandler(stale)
+        self._forwarder: RunnerLogFileHandler | None = RunnerLogFileHandler(runner.logger)
+        self._runs = 1
+        logger.addHandler(self._forwarder)
+        runner.logger.info(
+            "AccelkitCheckpointHook: MMEngine's CheckpointHook; it deletes old checkpoints only "
+            "after the new one is complete, and writes accelkit's log lines into this log file"
+        )
+
+    def after_run(self, runner: Any) -> None:
+        super().after_run(runner)
+        forwarder = getattr(self, "_forwarder", None)
+        if forwarder is None:
+            return
+        self._runs -= 1
+        if self._runs == 0:
+            logging.getLogger(LOGGER_NAME).removeHandler(forwarder)
+            self._forwarder = None
+
     def _remove_checkpoint(self, step: int) -> None:
         if not is_main_process():
             return
