@@ -363,6 +363,8 @@ class Accelerator:
 
     def _apply(self, opt: AcceleratedOptimizer) -> None:
         settings = self.backend.settings
+        if settings.max_grad_value is not None:
+            self.backend.clip_grad_value(opt.optimizer, settings.max_grad_value)
         result = self.backend.optimizer_step(
             opt._model,
             opt.optimizer,

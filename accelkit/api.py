@@ -8,6 +8,7 @@ from typing import Any
 from accelkit import registry
 from accelkit.accelerator import Accelerator
 from accelkit.backend import Settings
+from accelkit.errors import ConfigError
 from accelkit.log import configure
 from accelkit.seed import seed_everything
 
@@ -21,6 +22,7 @@ def get(
     max_grad_norm: float | None = None,
     seed: int | None = None,
     track_grad_norm: bool = False,
+    max_grad_value: float | None = None,
     **options: Any,
 ) -> Accelerator:
     """Build the accelerator for backend ``name``.
@@ -35,6 +37,8 @@ def get(
         max_grad_norm: clip the total gradient norm to this inside ``step()``.
         seed: seed everything (and dataloader workers) before anything is built.
         track_grad_norm: compute ``accel.grad_norm`` even without clipping.
+        max_grad_value: clamp every gradient element to ``[-v, v]`` inside ``step()`` (before
+            ``max_grad_norm``); refused where the backend's library owns the gradients.
         **options: backend options, overriding ``config``.
     """
     host = registry.host()
@@ -50,6 +54,7 @@ def get(
             max_grad_norm=max_grad_norm,
             seed=seed,
             track_grad_norm=track_grad_norm,
+            max_grad_value=max_grad_value,
             **options,
         )
     canonical = spec.alias_of or spec.name
@@ -61,12 +66,20 @@ def get(
         max_grad_norm=max_grad_norm,
         seed=seed,
         track_grad_norm=track_grad_norm,
+        max_grad_value=max_grad_value,
     )
     settings = backend_cls.resolve_settings(name, backend_options, settings)
     if seed is not None:
         seed_everything(seed)
     configure()
     backend = backend_cls(canonical, backend_options, settings)
+    if settings.max_grad_value is not None and not backend.capabilities.manual_clip:
+        raise ConfigError(
+            f"backend {canonical!r} partitions the gradients inside its library's step, which "
+            "offers no clipping by value: max_grad_value is not available there. Use "
+            "max_grad_norm, or a backend whose gradients are whole before the step (cpu, cuda, "
+            "ddp, fsdp)."
+        )
     backend.launch()
     return Accelerator(backend)
 

@@ -74,6 +74,8 @@ class Settings:
     max_grad_norm: float | None = None
     seed: int | None = None
     track_grad_norm: bool = False
+    #: clamp every gradient element to [-v, v] inside ``step()`` (before ``max_grad_norm``)
+    max_grad_value: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
@@ -87,6 +89,14 @@ class Settings:
         ):
             raise ConfigError(
                 f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}"
+            )
+        if self.max_grad_value is not None and (
+            isinstance(self.max_grad_value, bool)
+            or not isinstance(self.max_grad_value, (int, float))
+            or not self.max_grad_value > 0
+        ):
+            raise ConfigError(
+                f"max_grad_value must be a positive number or None, got {self.max_grad_value!r}"
             )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -301,6 +311,19 @@ class Backend:
             )
         self.precision.unscale(optimizer)
         return self.grad_norm(model, optimizer, max_norm)
+
+    def clip_grad_value(self, optimizer: torch.optim.Optimizer, value: float) -> None:
+        """Clamp the gradients of ``optimizer`` to ``[-value, value]`` (unscaled first); only
+        where ``capabilities.manual_clip`` (whole gradients are here before the step). Element
+        by element, so a sharded gradient clamps the same as a whole one."""
+        self.precision.unscale(optimizer)
+        groups: dict[Any, list[torch.Tensor]] = {}  # one foreach per DTensor mesh
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for params in groups.values():
+            torch.nn.utils.clip_grad_value_(params, value)
 
     def optimizer_step(
         self,

@@ -949,12 +949,17 @@ def test_optim_wrapper_config_maps_onto_accelkit_settings() -> None:
     assert read_optim_wrapper_cfg(dict(type="AmpOptimWrapper", optimizer={}))[1].precision == (
         "16-mixed"
     )
+    # MMEngine's clip by value becomes accelkit's max_grad_value
+    _, settings = read_optim_wrapper_cfg(
+        dict(optimizer={}, clip_grad=dict(type="value", clip_value=0.5))
+    )
+    assert (settings.max_grad_value, settings.max_grad_norm) == (0.5, None)
 
 
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
-        (dict(optimizer={}, clip_grad=dict(type="value", clip_value=1)), "L2 norm"),
+        (dict(optimizer={}, clip_grad=dict(type="value", clip_value=1, x=2)), "clip_value only"),
         (dict(optimizer={}, clip_grad=dict(max_norm=1, norm_type=1)), "L2 norm"),
         (dict(optimizer={}, clip_grad=dict(max_norm=1, error_if_nonfinite=True)), "nonfinite"),
         (dict(type="ApexOptimWrapper", optimizer={}), "cannot run on accelkit"),

@@ -395,11 +395,6 @@ def test_export_holds_what_mmengine_saves(tmp_path: Path) -> None:
 
 # ---- item 5: save_checkpoint before training ----------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs AccelkitRunner.save_checkpoint to call checkpoint.save_before_setup for a "
-    "model train() has not set up yet (runner.py, another engineer's file)",
-)
 def test_save_checkpoint_before_training(runs: Path) -> None:
     """``runner.save_checkpoint(...)`` before ``train()`` saves the initial weights, meta and
     message hub, as MMEngine's does (with its arguments for that moment: no optimizer or

@@ -26,6 +26,7 @@ ADAPTER_KEYS = ("backend", "config", "precision", "trust_pickle", "init_module",
 FROM_OPTIM_WRAPPER = {
     "accumulation_steps": "optim_wrapper=dict(accumulative_counts=N)",
     "max_grad_norm": "optim_wrapper=dict(clip_grad=dict(max_norm=X))",
+    "max_grad_value": "optim_wrapper=dict(clip_grad=dict(type='value', clip_value=X))",
 }
 _WRAPPER_TYPES = ("OptimWrapper", "AmpOptimWrapper", "AccelkitOptimWrapper")
 #: the arguments of ``torch.amp.GradScaler`` that a ``loss_scale`` dict may set
@@ -88,6 +89,7 @@ class TrainingSettings:
 
     accumulation_steps: int = 1
     max_grad_norm: float | None = None
+    max_grad_value: float | None = None
     precision: str | None = None
     #: ``torch.amp.GradScaler`` arguments from ``AmpOptimWrapper(loss_scale=...)``; None for
     #: ``'dynamic'`` (GradScaler's defaults, which are accelkit's own scaler settings too)
@@ -214,10 +216,20 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
             raise ConfigError(f"clip_grad must be a dict, got {type(clip).__name__}")
         clip = dict(clip)
         clip_type = clip.pop("type", "norm")
+        if clip_type == "value":  # MMEngine's clip_grad_value_: accelkit's max_grad_value
+            unknown = sorted(set(clip) - {"clip_value"})
+            if unknown or "clip_value" not in clip:
+                raise _ConfigTypeError(
+                    "clip_grad=dict(type='value', clip_value=X) takes clip_value only"
+                    + (f"; unknown keys {unknown}" if unknown else "")
+                )
+            settings.max_grad_value = float(clip["clip_value"])
+            return cfg, settings
         norm_type = float(clip.pop("norm_type", 2.0))
         if clip_type != "norm" or norm_type != 2.0:
             raise ConfigError(
-                "accelkit clips by the total L2 norm only (clip_grad=dict(max_norm=X)); "
+                "accelkit clips by the total L2 norm (clip_grad=dict(max_norm=X)) or by value "
+                "(clip_grad=dict(type='value', clip_value=X)); "
                 f"got type={clip_type!r}, norm_type={norm_type}"
             )
         if clip.pop("error_if_nonfinite", False):
@@ -344,5 +356,6 @@ def accelerator_kwargs(
         precision=precision,
         accumulation_steps=settings.accumulation_steps,
         max_grad_norm=settings.max_grad_norm,
+        max_grad_value=settings.max_grad_value,
         **{**(wrapper_options or {}), **adapter.options},
     )

@@ -26,6 +26,7 @@ from mmengine.runner import Runner
 from mmengine.utils import get_git_hash
 
 from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.integrations.mmengine import checkpoint as ckpt
 from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
 from accelkit.integrations.mmengine.hooks import use_safe_rotation
@@ -217,6 +218,15 @@ class AccelkitRunner(Runner):
                 }
             else:
                 checkpoint["param_schedulers"] = [s.state_dict() for s in self.param_schedulers]
+        if not isinstance(self.model, AccelkitModelWrapper):  # before train()/val()/test()
+            ckpt.save_before_setup(
+                self.accelerator,
+                os.path.join(out_dir, filename),
+                model=self.model,
+                checkpoint=checkpoint,
+                before_save=lambda c: self.call_hook("before_save_checkpoint", checkpoint=c),
+            )
+            return
         view = self._bridge.hook_view(self.model)
         if view is not None:
             checkpoint["state_dict"] = view
