@@ -3,8 +3,11 @@ a real ``torch.optim.Optimizer`` whose ``step``/``zero_grad`` go through the Acc
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import logging
+import types
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -25,12 +28,29 @@ def patch_forward(module: torch.nn.Module, backend: Backend) -> torch.nn.Module:
     """Run ``module``'s forward under the backend's precision policy, in place.
 
     Patching the instance (instead of wrapping it in another Module) keeps ``state_dict`` keys,
-    ``isinstance`` checks and attribute access exactly as the user wrote them.
+    ``isinstance`` checks and attribute access exactly as the user wrote them. The patch is a
+    method bound to ``module``, so ``copy.deepcopy`` binds it to the copy (whose forward then
+    runs the copy's weights) and ``pickle`` stores the plain forward (the copy is unpatched).
     """
-    if getattr(module, "_accelkit_forward_patched", False):
+    if getattr(module.forward, "_accelkit_precision_forward", False):
         return module
     original = module.forward
+    if inspect.ismethod(original) and original.__self__ is module:
+        function = original.__func__
 
+        @functools.wraps(function)
+        def forward_method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            args, kwargs = backend.convert_input((args, kwargs))
+            with backend.forward_context():
+                out = function(self, *args, **kwargs)
+            return backend.convert_output(out)
+
+        forward_method._accelkit_precision_forward = True  # type: ignore[attr-defined]
+        module.forward = types.MethodType(forward_method, module)
+        return module
+
+    # a forward set on the instance by someone else (a closure, a compiled callable): copies
+    # share it, as they would without accelkit
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = backend.convert_input((args, kwargs))
@@ -38,8 +58,8 @@ def patch_forward(module: torch.nn.Module, backend: Backend) -> torch.nn.Module:
             out = original(*args, **kwargs)
         return backend.convert_output(out)
 
+    forward._accelkit_precision_forward = True  # type: ignore[attr-defined]
     module.forward = forward
-    module._accelkit_forward_patched = True
     return module
 
 
@@ -50,6 +70,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     accumulation window closes. ``zero_grad()`` does nothing inside an open window. An LR
     scheduler built on this optimizer is stepped by accelkit after each applied step once it is
     handed over: ``accel.setup_scheduler(scheduler)``.
+
+    It passes for the backend's optimizer: ``__class__`` is that optimizer's class, so
+    ``isinstance(opt, torch.optim.AdamW)`` holds as for the optimizer the user built (code that
+    checks the kind of optimizer keeps working); ``type(opt)`` still tells the truth. A copy
+    (``copy.copy``, ``copy.deepcopy``, ``pickle``) is a copy of the backend's optimizer: a plain
+    torch optimizer, detached from the Accelerator, exactly what copying that optimizer gives.
     """
 
     def __init__(
@@ -111,8 +137,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        """The backend's optimizer's class, for ``isinstance`` checks (``type()`` is not fooled)."""
+        inner = self.__dict__.get("_optimizer")
+        return AcceleratedOptimizer if inner is None else inner.__class__
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_optimizer"], name)
+        inner = self.__dict__.get("_optimizer")
+        if inner is None:  # not built yet (an object under construction has an empty __dict__)
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "step" and getattr(value, "_wrapped_by_lr_sched", False):
@@ -121,6 +156,38 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         return self.optimizer.__getstate__()
+
+    # Copies: the Accelerator keeps per-optimizer state (the accumulation window, the adopted
+    # schedulers) and steps only the optimizers it set up, so a copy cannot go through it. A copy
+    # is therefore the backend's optimizer copied, as torch copies it: a snapshot over copied
+    # parameters (or the copied model's, when the model is copied in the same deepcopy).
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickle as the backend's optimizer: the pickle loads without accelkit."""
+        return self.optimizer.__reduce_ex__(protocol)
+
+    def __copy__(self) -> torch.optim.Optimizer:
+        return copy.copy(self.optimizer)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
+        accelerator = self.__dict__["_accelerator"]
+        if memo.get(id(accelerator), accelerator) is not accelerator:
+            raise UnsupportedError(
+                "copy.deepcopy reached accelkit's Accelerator (which holds the optimizers setup() "
+                "returned): an Accelerator owns the backend and its process groups and cannot be "
+                "copied. Copy what you need without it: the model (copy.deepcopy(model); under "
+                "MMEngine copy.deepcopy(runner.model), which shares the Accelerator), the "
+                "optimizer (copy.deepcopy(optimizer) gives a plain torch optimizer), or their "
+                "state_dict()s."
+            )
+        inner = self.optimizer
+        try:
+            return copy.deepcopy(inner, memo)
+        except Exception as err:
+            raise UnsupportedError(
+                f"the backend's optimizer ({type(inner).__name__}) cannot be deep-copied: {err}. "
+                "Copy its state instead: copy.deepcopy(optimizer.state_dict()), or save a "
+                "checkpoint with accel.save()."
+            ) from err
 
     def __repr__(self) -> str:
         return f"AcceleratedOptimizer({self.optimizer!r})"

@@ -8,10 +8,13 @@ a DeepSpeed engine, ...).
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
 from mmengine.registry import MODEL_WRAPPERS
+
+from accelkit.errors import UnsupportedError
 
 if TYPE_CHECKING:
     from accelkit.accelerator import Accelerator
@@ -92,3 +95,33 @@ class AccelkitModelWrapper:
 
     def __repr__(self) -> str:
         return f"AccelkitModelWrapper({self.accelerator.name}: {type(self.wrapped).__name__})"
+
+    # Copies share the Accelerator (the process's backend and process groups, as a deep-copied
+    # DDP shares its process group) and copy the model: hooks such as EMAHook deep-copy it.
+    def __copy__(self) -> AccelkitModelWrapper:
+        copied = object.__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> AccelkitModelWrapper:
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        memo.setdefault(id(self.accelerator), self.accelerator)
+        try:
+            copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        except Exception as err:
+            raise UnsupportedError(
+                f"runner.model cannot be deep-copied on {self.accelerator.name}: "
+                f"{type(self.wrapped).__name__} refuses it ({err}). Where every rank holds the "
+                "whole model, copy your model alone: copy.deepcopy(runner.model.module); where "
+                "parameters are partitioned (fsdp, DeepSpeed ZeRO-3), build a new model and load "
+                "runner.model.state_dict() (the gathered weights) into it."
+            ) from err
+        return copied
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "runner.model (AccelkitModelWrapper) holds accelkit's Accelerator and cannot be "
+            "pickled; pickle your model, runner.model.module, or save a checkpoint "
+            "(runner.save_checkpoint)"
+        )
