@@ -227,16 +227,8 @@ def _bn_record(root: Path, name: str, rank: int) -> dict:
     return json.loads((root / f"{name}.rank{rank}.json").read_text())
 
 
-# With broadcast_buffers=True, validation differs still: AccelkitModelWrapper.val_step runs the
-# forward through the DDP wrapper, which broadcasts rank 0's buffers in eval mode too, where
-# MMEngine's MMDistributedDataParallel.val_step calls the module directly (model_wrapper.py).
-BROADCAST_VAL = pytest.mark.xfail(
-    strict=True, reason="val_step through DDP broadcasts buffers (model_wrapper.py)"
-)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["default", pytest.param("broadcast", marks=BROADCAST_VAL)])
+@pytest.mark.parametrize("variant", ["default", "broadcast"])
 def test_batchnorm_and_validation_follow_mmengine_ddp(bn_runs: Path, variant: str) -> None:
     ours, ref = (_bn_record(bn_runs, f"{side}_{variant}", 1) for side in ("ours", "ref"))
     assert ours["buffers"] == ref["buffers"]  # bit for bit: the same DDP math

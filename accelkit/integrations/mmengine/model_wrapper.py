@@ -77,14 +77,23 @@ class AccelkitModelWrapper:
             optim_wrapper.update_params(parsed_loss)
         return log_vars
 
+    @property
+    def _direct_eval(self) -> bool:
+        """Evaluate on the module itself, as MMEngine's ``MMDistributedDataParallel`` does:
+        torch DDP's forward would broadcast rank 0's buffers (BatchNorm statistics) in eval
+        too. Other wrappers (sharded ones) must run their own forward to gather parameters."""
+        return self._unwrapped or isinstance(
+            self.wrapped, torch.nn.parallel.DistributedDataParallel
+        )
+
     def val_step(self, data: Any) -> list:
-        if self._unwrapped:
+        if self._direct_eval:
             return self.module.val_step(data)
         data = self.module.data_preprocessor(data, False)
         return _run_forward(self.wrapped, data, mode="predict")
 
     def test_step(self, data: Any) -> list:
-        if self._unwrapped:
+        if self._direct_eval:
             return self.module.test_step(data)
         data = self.module.data_preprocessor(data, False)
         return _run_forward(self.wrapped, data, mode="predict")
