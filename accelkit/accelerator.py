@@ -679,6 +679,20 @@ class Accelerator:
 
         return main_process_first(self, local=local, timeout_s=timeout_s)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """An Accelerator holds a process group, devices and live training state: a copy
+        would train nothing. Refuse, saying what to copy instead."""
+        from accelkit.errors import UnsupportedError
+
+        class NotCopyable(UnsupportedError, TypeError):  # TypeError: what pickle's callers catch
+            pass
+
+        raise NotCopyable(
+            "an Accelerator (the process group, devices and training state) cannot be copied "
+            "or pickled; pickle the model's state_dict or save a checkpoint with accel.save(), "
+            "and build a new Accelerator with accelkit.get() where it is needed"
+        )
+
     def free_memory(self) -> None:
         """Forget every model, optimizer, scheduler and loader set up so far, let the backend
         release what it built for them (:meth:`~accelkit.backend.Backend.release`: engines,

@@ -305,3 +305,13 @@ def test_runner_model_that_cannot_be_copied_says_what_to_do():
         copy.deepcopy(wrapper)
     with pytest.raises(TypeError, match=r"pickle your model, runner\.model\.module"):
         pickle.dumps(wrapper)
+
+
+def test_pickling_the_accelerator_is_refused_saying_what_to_do():
+    import accelkit
+
+    accel, _, _ = _set_up()
+    with pytest.raises(TypeError, match=r"save a checkpoint with accel\.save\(\)"):
+        pickle.dumps(accel)
+    with pytest.raises(accelkit.UnsupportedError):
+        copy.copy(accel)
