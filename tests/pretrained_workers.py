@@ -51,3 +51,25 @@ def load_job(directory: str, backend: str = "cpu", options: dict | None = None) 
     out = {"logits": logits.tolist()}
     accel.end_training()
     return out
+
+
+def train_and_save(path: str, backend: str = "cpu", steps: int = 3) -> dict[str, Any]:
+    """Train a GPT-2 a few steps on ``backend`` and save a portable checkpoint; return the
+    trained weights (full, for the reference)."""
+    from transformers import GPT2LMHeadModel
+
+    import accelkit
+
+    accel = accelkit.get(backend, seed=0)
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(make_config())
+    model, opt = accel.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    batch = tokens()
+    for _ in range(steps):
+        accel.backward(model(batch, labels=batch).loss)
+        opt.step()
+        opt.zero_grad()
+    accel.save(path, {"model": model, "optimizer": opt})
+    full = {k: v.detach().cpu().tolist() for k, v in accel.full_state_dict(model).items()}
+    accel.end_training()
+    return full

@@ -30,10 +30,25 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--to",
-        choices=("mmengine",),
+        choices=("mmengine", "hf"),
         default=None,
-        help="write a training framework's own checkpoint file instead (mmengine: the .pth "
-        "Runner.resume loads; a pickle, as MMEngine's own)",
+        help="write a training framework's own checkpoint instead (mmengine: the .pth "
+        "Runner.resume loads, a pickle as MMEngine's own; hf: DST is a directory of sharded "
+        "safetensors with an index, as save_pretrained writes)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="--to hf: the largest shard (bytes, or with KB/MB/GB), default 5GB",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="--to hf: cast floating-point weights (default: as stored)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="--to hf: a config.json (or its directory) to copy beside"
     )
     parser.add_argument("--object", default=None, help="which module of the checkpoint to export")
     parser.add_argument(
@@ -44,6 +59,28 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     progress.add_argument(
         "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
     )
+
+
+def _size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def _hf_options(args: argparse.Namespace) -> dict:
+    if args.to != "hf":
+        return {}
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return {
+        "max_shard_bytes": _size(args.max_shard_size),
+        "dtype": dtypes.get(args.dtype) if args.dtype else None,
+        "config": args.config,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             strip_prefix=args.strip_prefix,
             progress=args.progress,
             to=args.to,
+            **_hf_options(args),
         )
     except CheckpointError as err:
         print(f"accelkit convert: {err}", file=sys.stderr)
