@@ -17,9 +17,12 @@ from accelkit.backend import Backend, Capabilities, SetupResult
 DDP_KEYS = [
     "broadcast_buffers",
     "bucket_cap_mb",
+    "comm_hook",
     "device",
     "find_unused_parameters",
     "gradient_as_bucket_view",
+    "powersgd_rank",
+    "powersgd_start_iter",
     "static_graph",
     "timeout",
 ]
