@@ -15,7 +15,14 @@ HERE = Path(__file__).parent
 KW = {"nproc": 2, "timeout": 300, "path": [HERE]}
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "fp16",
+        pytest.param("bf16", marks=pytest.mark.slow),
+        pytest.param("powersgd", marks=pytest.mark.slow),
+    ],
+)
 def test_the_hook_gives_raw_ddps_weights(hook):
     try:
         want = run_ranks("comm_hook_workers:raw", {"hook": hook}, **KW)
@@ -28,6 +35,7 @@ def test_the_hook_gives_raw_ddps_weights(hook):
     assert plain[0]["params"] != want[0]  # the hook changed the numbers: the check can fail
 
 
+@pytest.mark.slow
 def test_powersgd_state_resumes(tmp_path):
     saved = str(tmp_path / "ck")
     run_ranks("comm_hook_workers:ours", {"hook": "powersgd", "save": saved}, **KW)

@@ -35,7 +35,7 @@ def test_sharded_safetensors_load_bit_for_bit_on_cpu(source):
     assert load_job(directory)["logits"] == want
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_two_ranks_load_the_same_weights(source, backend):
     directory, want = source
     options = {"device": "cpu"} if backend == "fsdp" else {}
@@ -70,7 +70,9 @@ def test_renames_and_prefixes(source):
     directory, _ = source
     accel = accelkit.get("cpu")
     base = accel.setup(GPT2Model(make_config()))
-    with pytest.raises(accelkit.CheckpointError, match=r"missing from the checkpoint: .*wte\.weight"):
+    with pytest.raises(
+        accelkit.CheckpointError, match=r"missing from the checkpoint: .*wte\.weight"
+    ):
         accel.load_pretrained(base, directory)
     accel.load_pretrained(base, directory, strip_prefix="transformer.")
     torch.manual_seed(0)
