@@ -1,5 +1,5 @@
-"""Experiment tracking: ``accel.log(metrics, step)`` on the main rank, to CSV, TensorBoard, or a
-plugin's tracker; and throughput helpers (samples and tokens per second, model FLOPs utilisation).
+"""Experiment tracking: ``accel.log(metrics, step)`` on the main rank, to CSV, TensorBoard,
+Weights & Biases, MLflow, or a plugin's tracker; and throughput helpers (samples and tokens per second, model FLOPs utilisation).
 
 ::
 
@@ -14,9 +14,14 @@ Only global rank 0 writes; the other ranks return at once (their tensors are nev
 (``accel.all_reduce(loss, "mean")``) on every rank, before ``log``.
 
 A tracker is any object with ``log(metrics: dict[str, float], step: int) -> None``, and
-optionally ``log_hparams(config: dict) -> None`` and ``finish() -> None``. Plugins add trackers
+optionally ``log_hparams(config: dict) -> None``, ``finish() -> None``, ``log_images(images:
+dict[str, Image], step)`` and ``log_histograms(histograms: dict[str, Histogram], step)`` (values
+wrapped in :class:`Image` / :class:`Histogram` in ``accel.log`` go there). Plugins add trackers
 by name through the ``accelkit_loggers`` hook, returning ``{name: factory}``; a factory is called
 as ``factory(directory, config=config, **kwargs)`` on rank 0 only.
+
+A tracker built by name with a ``run_id`` attribute is resumable: :func:`tracker_state` is the
+stateful object to checkpoint, and after a load its factory gets ``resume_run_id=`` the saved id.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,9 +158,25 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def _wandb_tracker(directory: str | os.PathLike, **kwargs: Any) -> Any:
+    """Weights & Biases (``pip install 'accelkit[wandb]'``); see accelkit.tracking_backends."""
+    from accelkit.tracking_backends import WandbTracker
+
+    return WandbTracker(directory, **kwargs)
+
+
+def _mlflow_tracker(directory: str | os.PathLike, **kwargs: Any) -> Any:
+    """MLflow (``pip install 'accelkit[mlflow]'``); see accelkit.tracking_backends."""
+    from accelkit.tracking_backends import MLflowTracker
+
+    return MLflowTracker(directory, **kwargs)
+
+
 BUILTIN_TRACKERS: dict[str, Callable[..., Any]] = {
     "csv": CSVTracker,
     "tensorboard": TensorBoardTracker,
+    "wandb": _wandb_tracker,
+    "mlflow": _mlflow_tracker,
 }
 
 
@@ -175,24 +197,172 @@ def tracker_factories() -> dict[str, Callable[..., Any]]:
 
 
 # ---- what Accelerator.log runs -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Image:
+    """An image value for ``accel.log``: a tensor or numpy array laid out as ``"HW"``,
+    ``"HWC"`` or ``"CHW"`` (``"auto"`` reads a first dimension of 1, 3 or 4 as channels),
+    floats in [0, 1] or integers in [0, 255]. Trackers without ``log_images`` skip it (warned
+    once)."""
+
+    data: Any
+    caption: str | None = None
+    layout: str = "auto"
+
+    def to_numpy(self) -> Any:
+        """HWC uint8 (HW for one channel), the layout both W&B and MLflow take."""
+        import numpy as np
+
+        data = self.data
+        if isinstance(data, torch.Tensor):
+            data = data.detach().cpu()
+            data = data.float().numpy() if data.is_floating_point() else data.numpy()
+        array = np.asarray(data)
+        layout = self.layout
+        if layout == "auto":
+            chw = array.ndim == 3 and array.shape[0] in (1, 3, 4) and array.shape[-1] not in (3, 4)
+            layout = {2: "HW", 3: "CHW" if chw else "HWC"}.get(array.ndim, "")
+        if layout not in ("HW", "HWC", "CHW") or array.ndim != len(layout):
+            raise ConfigError(
+                f"an Image is HW, HWC or CHW; got shape {tuple(array.shape)} as {self.layout!r}"
+            )
+        if layout == "CHW":
+            array = array.transpose(1, 2, 0)
+        if array.ndim == 3 and array.shape[-1] == 1:
+            array = array[..., 0]
+        if array.dtype.kind == "f":
+            array = np.clip(array, 0.0, 1.0) * 255.0 + 0.5
+        return np.clip(array, 0, 255).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram value for ``accel.log``: the distribution of ``values`` (a tensor or array of
+    any shape) in ``bins`` equal bins between its minimum and maximum."""
+
+    values: Any
+    bins: int = 64
+
+    def counts_and_edges(self) -> tuple[Any, Any]:
+        """``(counts, edges)`` as numpy arrays (``bins`` counts, ``bins + 1`` edges)."""
+        values = torch.as_tensor(self.values).detach().cpu().double().reshape(-1)
+        values = values[torch.isfinite(values)]
+        if values.numel() == 0:
+            raise ConfigError("a Histogram needs at least one finite value")
+        counts, edges = torch.histogram(values, bins=self.bins)
+        return counts.long().numpy(), edges.numpy()
+
+
 class Trackers:
-    """The trackers of one accelerator (built on rank 0 only; empty elsewhere)."""
+    """The trackers of one accelerator (built on rank 0 only; empty elsewhere).
+
+    Stateful, for the checkpoint: ``state_dict()`` holds the run id of each resumable tracker
+    (built by name, with a ``run_id``); after ``load_state_dict`` a later :func:`init_trackers`
+    re-attaches to those runs, and trackers already built on other runs are rebuilt on them.
+    """
 
     def __init__(self, trackers: list[Any], directory: Path | None) -> None:
         self.trackers = trackers
         self.directory = directory
+        #: the name each tracker was built by (None: an object passed in)
+        self.names: list[str | None] = [None] * len(trackers)
+        #: how to build each named tracker again: factory, directory, config, kwargs
+        self._specs: dict[str, tuple[Callable[..., Any], Path, Any, dict[str, Any]]] = {}
+        #: run id of each resumable tracker built by the last init_trackers, by name
+        self._run_ids: dict[str, str] = {}
+        #: run ids a checkpoint restored that no tracker has continued yet
+        self._restored: dict[str, str] = {}
+        self._warned: set[tuple[int, str]] = set()
+        #: False until init_trackers ran (an object from tracker_state() alone logs nowhere)
+        self.initialised = False
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        values = scalars(metrics)
+        if not isinstance(metrics, Mapping):
+            raise ConfigError(f"log() takes a dict of name -> number, got {type(metrics).__name__}")
+        images = {k: v for k, v in metrics.items() if isinstance(v, Image)}
+        histograms = {k: v for k, v in metrics.items() if isinstance(v, Histogram)}
+        values = scalars(
+            {k: v for k, v in metrics.items() if k not in images and k not in histograms}
+        )
         for tracker in self.trackers:
-            tracker.log(values, step)
+            if values or not (images or histograms):
+                tracker.log(values, step)
+            for kind, media in (("images", images), ("histograms", histograms)):
+                if media:
+                    self._log_media(tracker, kind, media, step)
+
+    def _log_media(self, tracker: Any, kind: str, media: dict[str, Any], step: int) -> None:
+        method = getattr(tracker, f"log_{kind}", None)
+        if method is not None:
+            method(media, step)
+        elif (id(tracker), kind) not in self._warned:
+            self._warned.add((id(tracker), kind))
+            log.warning(
+                "tracker %s does not log %s; skipped: %s",
+                type(tracker).__name__,
+                kind,
+                ", ".join(sorted(media)),
+            )
+
+    def run_ids(self) -> dict[str, str]:
+        """The run id of each resumable tracker, by name (kept after ``finish``), and the
+        restored ones no tracker continued yet."""
+        for name, tracker in zip(self.names, self.trackers):
+            run_id = getattr(tracker, "run_id", None)
+            if name is not None and isinstance(run_id, str):
+                self._run_ids[name] = run_id
+        return {**self._restored, **self._run_ids}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_ids": self.run_ids()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = {str(k): str(v) for k, v in dict(state.get("run_ids") or {}).items()}
+        self._restored.update(saved)
+        for index, (name, tracker) in enumerate(zip(self.names, self.trackers)):
+            if name is None or name not in saved or name not in self._specs:
+                continue
+            current = getattr(tracker, "run_id", None)
+            if current == saved[name]:
+                continue
+            log.warning(
+                "tracker %r started run %s before the checkpoint's run %s was restored; that "
+                "run is closed and logging continues in %s (call auto_resume before "
+                "init_trackers to start no extra run)",
+                name,
+                current,
+                saved[name],
+                saved[name],
+            )
+            finish = getattr(tracker, "finish", None)
+            if finish is not None:
+                finish()
+            factory, directory, config, kwargs = self._specs[name]
+            self.trackers[index] = factory(
+                directory, config=config, resume_run_id=self._restored.pop(name), **kwargs
+            )
+        self.run_ids()
 
     def finish(self) -> None:
+        self.run_ids()  # remembered for a save after end_training
         for tracker in self.trackers:
             finish = getattr(tracker, "finish", None)
             if finish is not None:
                 finish()
         self.trackers = []
+        self.names = []
+
+
+def tracker_state(accel: Accelerator) -> Trackers:
+    """The accelerator's :class:`Trackers` (an empty one before :func:`init_trackers`), to put
+    in the checkpoint's state so that a resumed job's trackers continue the same runs::
+
+        state = {"model": model, "opt": opt, "trackers": tracker_state(accel)}
+        accel.auto_resume("ckpt", state)
+        accel.init_trackers("runs/exp1", ["wandb"])  # the saved run, or a new one
+    """
+    if accel._trackers is None:
+        accel._trackers = Trackers([], None)
+    return accel._trackers
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -228,9 +398,9 @@ def init_trackers(
     tracker_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Trackers:
     """Build the named trackers (or take tracker objects) on rank 0; replaces earlier ones."""
-    old = accel._trackers
-    if old is not None:
-        old.finish()
+    result = tracker_state(accel)  # reused: a checkpoint's state may hold it
+    result.finish()
+    result._run_ids = {}
     tracker_kwargs = dict(tracker_kwargs or {})
     names = list(trackers)
     factories = tracker_factories() if any(isinstance(t, str) for t in names) else {}
@@ -244,11 +414,21 @@ def init_trackers(
     if extra:
         raise ConfigError(f"tracker_kwargs names tracker(s) not in trackers: {', '.join(extra)}")
     built: list[Any] = []
+    built_names: list[str | None] = []
     path = Path(directory)
+    result._specs = {}
     if accel.is_main:
         for item in names:
             if isinstance(item, str):
-                built.append(factories[item](path, config=config, **tracker_kwargs.get(item, {})))
+                kwargs = dict(tracker_kwargs.get(item, {}))
+                result._specs[item] = (factories[item], path, config, dict(kwargs))
+                resume = result._restored.get(item)
+                if resume is not None:
+                    kwargs["resume_run_id"] = resume
+                    log.info("tracker %r continues run %s", item, resume)
+                built.append(factories[item](path, config=config, **kwargs))
+                built_names.append(item)
+                result._restored.pop(item, None)
             else:
                 if not callable(getattr(item, "log", None)):
                     raise ConfigError(
@@ -258,8 +438,10 @@ def init_trackers(
                 if config and callable(getattr(item, "log_hparams", None)):
                     item.log_hparams(dict(config))
                 built.append(item)
-    result = Trackers(built, path)
-    accel._trackers = result
+                built_names.append(None)
+    result.trackers, result.names, result.directory = built, built_names, path
+    result.initialised = True
+    result.run_ids()
     return result
 
 
@@ -267,7 +449,7 @@ def log_metrics(accel: Accelerator, metrics: Mapping[str, Any], step: int | None
     if not accel.is_main:
         return
     trackers = accel._trackers
-    if trackers is None:
+    if trackers is None or not trackers.initialised:
         if not accel._warned_no_trackers:
             accel._warned_no_trackers = True
             log.warning("accel.log(): no trackers; call accel.init_trackers(directory) first")
