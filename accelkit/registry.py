@@ -210,7 +210,7 @@ class PluginHost:
         try:
             if isinstance(source, str):
                 plugin = importlib.import_module(source)
-            elif isinstance(source, metadata.EntryPoint):
+            elif _is_entry_point(source):
                 plugin = source.load()
             else:
                 plugin = source
@@ -290,6 +290,14 @@ def _version() -> str:
     from accelkit import __version__
 
     return __version__
+
+
+def _is_entry_point(source: Any) -> bool:
+    """An entry point of ``importlib.metadata``, or of the ``importlib_metadata`` backport that
+    some packages (mlflow) install into ``sys.meta_path``: both load the same way."""
+    return isinstance(source, metadata.EntryPoint) or (
+        type(source).__name__ == "EntryPoint" and callable(getattr(source, "load", None))
+    )
 
 
 def _entry_points() -> list[metadata.EntryPoint]:

@@ -278,3 +278,21 @@ def test_in_process_plugin_registration():
     record = next(p for p in registry.host().plugins if p.name == "notebook")
     assert record.status == "loaded" and record.backends == ["notebook_cpu"]
     assert registry.host().resolve("notebook_cpu").plugin == "notebook"
+
+
+def test_backends_are_found_after_a_package_installs_the_importlib_metadata_backport():
+    """mlflow imports importlib_metadata, whose finder then makes entry_points() return the
+    backport's EntryPoint objects; accelkit must still load its plugins from them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("importlib_metadata")
+    code = (
+        "import importlib_metadata, sys\n"
+        "import accelkit\n"
+        "accel = accelkit.get('cpu')\n"
+        "print(type(importlib_metadata.entry_points(group='accelkit')).__module__, accel.backend.name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert result.stdout.split()[-1] == "cpu"
