@@ -272,7 +272,11 @@ class AcceleratedDataLoader:
                 state["dataset_state"] = dataset_state
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state_dict(self, state: Any) -> None:
+        """Raise if ``state`` cannot be this loader's position (``accel.load`` calls it in its
+        validate phase, before anything is written)."""
+        if not isinstance(state, dict) or not {"epoch", "consumed"} <= state.keys():
+            raise ConfigError(f"not a loader position: {str(state)[:80]!r}")
         saved_stream = bool(state.get("stream", False))
         if saved_stream != (self.stream is not None):
             saved = "a stream (IterableDataset)" if saved_stream else "a map-style dataset"
@@ -282,6 +286,9 @@ class AcceleratedDataLoader:
                 f"is {here}: a position in one cannot be found in the other; load it into a "
                 "loader over the same dataset"
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
         if self.sampler is not None and "seed" in state:

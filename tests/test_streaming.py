@@ -227,3 +227,23 @@ def test_a_stream_position_is_refused_by_a_map_style_loader():
     mapped = accel.setup_dataloader(DataLoader(list(range(SAMPLES)), batch_size=BATCH))
     with pytest.raises(ConfigError, match="saved for a stream"):
         mapped.load_state_dict(stream.state_dict())
+
+
+def test_a_checkpoint_of_a_stream_loaded_into_a_map_style_loader_changes_nothing(tmp_path):
+    """The mismatch is found in the load's validate phase: the model is not written."""
+    import torch
+
+    import accelkit
+
+    accel = accelkit.get("cpu")
+    net = torch.nn.Linear(2, 2)
+    model = accel.setup(net)
+    stream = accel.setup_dataloader(DataLoader(Numbered(), batch_size=BATCH))
+    next(iter(stream))
+    accel.save(tmp_path / "ck", {"model": model, "loader": stream})
+    other = accel.setup(torch.nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    mapped = accel.setup_dataloader(DataLoader(list(range(SAMPLES)), batch_size=BATCH))
+    with pytest.raises(accelkit.CheckpointError, match="saved for a stream"):
+        accel.load(tmp_path / "ck", {"model": other, "loader": mapped})
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())

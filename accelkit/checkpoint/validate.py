@@ -296,6 +296,15 @@ def read_sections(backend: Any, reader: Any, state: dict[str, Any], *, rng: bool
             value = _section(reader, name, info["state"])
             if name in objects.schedulers:
                 _check_against(reader, f"scheduler {name!r}", value, obj.state_dict())
+            check = getattr(obj, "check_state_dict", None)
+            if callable(check):  # a stateful that can tell, without loading (accelkit's loaders)
+                try:
+                    check(value)
+                except Exception as err:
+                    raise CheckpointError(
+                        f"{reader.manifest_path}: the state of {name!r} does not fit it: {err}; "
+                        "nothing was loaded"
+                    ) from err
             out.states[name] = value
     out.extras = reader.extras()
     backend_state = reader.manifest.data.get("backend_state")
