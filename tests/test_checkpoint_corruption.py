@@ -66,6 +66,7 @@ def test_the_suite_covers_each_kind_of_damage(cpu_results):
         assert kind in names, f"no {kind!r} case"
 
 
+@pytest.mark.slow
 def test_every_failed_load_on_ddp_changes_nothing_on_any_rank(tmp_path):
     ranks = run_ranks(
         "corruption_cases:ranks_job", {"root": str(tmp_path)}, nproc=2, timeout=600, path=[HERE]

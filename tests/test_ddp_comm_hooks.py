@@ -18,7 +18,7 @@ KW = {"nproc": 2, "timeout": 300, "path": [HERE]}
 @pytest.mark.parametrize(
     "hook",
     [
-        "fp16",
+        pytest.param("fp16", marks=pytest.mark.slow),
         pytest.param("bf16", marks=pytest.mark.slow),
         pytest.param("powersgd", marks=pytest.mark.slow),
     ],

@@ -77,7 +77,7 @@ def _with_heads(model: torch.nn.Module, heads: int) -> torch.nn.Module:
 
 # ---- training on the mesh against the raw reference ---------------------------------------------
 MESHES = {
-    "hsdp-2x2": (2, 2, 1),
+    "hsdp-2x2": pytest.param((2, 2, 1), marks=pytest.mark.slow),
     "fsdp-x-tp-2x2": pytest.param((1, 2, 2), marks=pytest.mark.slow),
     "tp-2-x-replicate-2": pytest.param((2, 1, 2), marks=pytest.mark.slow),
 }

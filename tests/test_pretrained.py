@@ -35,7 +35,10 @@ def test_sharded_safetensors_load_bit_for_bit_on_cpu(source):
     assert load_job(directory)["logits"] == want
 
 
-@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp", marks=pytest.mark.slow)],
+)
 def test_two_ranks_load_the_same_weights(source, backend):
     directory, want = source
     options = {"device": "cpu"} if backend == "fsdp" else {}

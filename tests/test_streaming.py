@@ -86,7 +86,7 @@ def resumed_on_one_process(kind: str, root: str, **loader_kwargs) -> list[int]:
     return [i for batch in loader for i in numbers(batch)]
 
 
-@pytest.mark.parametrize("kind", ["plain", "hf"])
+@pytest.mark.parametrize("kind", ["plain", pytest.param("hf", marks=pytest.mark.slow)])
 def test_two_ranks_split_the_stream_and_one_process_resumes_the_rest(tmp_path, kind):
     if kind == "hf":
         pytest.importorskip("datasets")
@@ -106,6 +106,7 @@ def test_two_ranks_split_the_stream_and_one_process_resumes_the_rest(tmp_path, k
     assert sorted(seen + rest) == list(range(SAMPLES))  # every remaining sample once
 
 
+@pytest.mark.slow
 def test_a_resume_under_dataloader_workers_sees_the_rest_once(tmp_path):
     """World size 2 -> 1 process with 2 workers, each worker reading every other round."""
     run_ranks("test_streaming:ddp_job", {"kind": "plain", "root": str(tmp_path)}, path=[HERE])
@@ -141,6 +142,7 @@ def test_an_uneven_end_is_padded_by_default_so_every_rank_steps_equally():
     assert ranks == [[[0, 1, 2, 3], [8, 9, 10]], [[4, 5, 6, 7], [11, 12, 8]]]
 
 
+@pytest.mark.slow
 def test_drop_last_leaves_out_the_uneven_end_so_every_rank_steps_equally():
     count = 4 * BATCH + 1  # two full rounds, then 1 sample for 2 ranks
     ranks = run_ranks(

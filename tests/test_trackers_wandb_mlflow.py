@@ -277,6 +277,7 @@ def ranks_worker(directory: str) -> dict:
     return {"run_ids": run_ids}
 
 
+@pytest.mark.slow
 def test_only_rank_zero_logs_on_two_processes(tmp_path, offline):
     env = offline
     ranks = run_ranks(
