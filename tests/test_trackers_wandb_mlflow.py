@@ -27,21 +27,6 @@ pytestmark = pytest.mark.skipif(
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def forget_importlib_metadata_finder():
-    """MLflow imports importlib_metadata, which adds its finder to ``sys.meta_path``; from
-    then on ``importlib.metadata.entry_points`` yields ``importlib_metadata.EntryPoint``
-    objects, which accelkit's registry (an ``isinstance`` check against the standard library's
-    class) does not load, so a registry reloaded later in this session would find no backends.
-    mlflow is imported only inside the tests (the registry is loaded by then) and the finder
-    goes when this module is done."""
-    before = list(sys.meta_path)
-    yield
-    for finder in [f for f in sys.meta_path if f not in before]:
-        if type(finder).__module__.startswith("importlib_metadata"):
-            sys.meta_path.remove(finder)
-
-
 def MlflowClient(uri: str) -> Any:  # the library's class, imported when first used
     from mlflow.tracking import MlflowClient as client_class
 
