@@ -89,6 +89,7 @@ def test_no_tracked_file_names_a_path_outside_the_repository() -> None:
 
 # ---- the rule itself: it must flag what it is for, and only that -----------------------------
 _W, _S, _D = WORKSPACE_ROOT, TEAM_FOLDER, DESIGN_NOTE
+_UP = "." + "./"  # a parent-directory step, assembled like the names above
 
 
 @pytest.mark.parametrize(
@@ -99,13 +100,13 @@ _W, _S, _D = WORKSPACE_ROOT, TEAM_FOLDER, DESIGN_NOTE
         (f"shapes of `{_W}{_S}/bench/peers.py`", "bench/x.py", [f"{_W}{_S}/bench/peers.py"]),
         (f"semantics of {_D} (the counter)", "accelkit/a.py", [_D]),
         (f'{_D} "Discovery"', "tests/t.py", [_D]),
-        (f"notes in ../{_S}/notes/x.md", "docs/a.md", [f"../{_S}"]),
+        (f"notes in {_UP}{_S}/notes/x.md", "docs/a.md", [f"{_UP}{_S}"]),
         (f"in {_S}/notes/x.md", "docs/a.md", [f"{_S}/notes"]),
         (f"File {_W}main/accelkit/a.py, line 3", "accelkit/a.py", [f"{_W}main/accelkit/a.py"]),
         (f'File "{_W}main/tests/t.py", line 3', "bench/results/x/run.log", []),
         (f'File "{_W}other/t.py", line 3', "bench/results/x/run.log", [f"{_W}other/t.py"]),
         ('docs/architecture.md, "The portable checkpoint"', "tests/t.py", []),
-        (f"https://example.org/work/page and {_S}_bench/x", "docs/a.md", []),
+        (f"https://example.org{_W}page and {_S}_bench/x", "docs/a.md", []),
         (f"cwd=ROOT / 'work' / '{_S}'", "tests/t.py", []),
     ],
 )

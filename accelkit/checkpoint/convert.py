@@ -82,15 +82,7 @@ def export_file(
     if fmt not in ("safetensors", "pt"):
         raise CheckpointError(f"unknown export format {fmt!r}; use safetensors or pt")
     with CheckpointReader(src) as reader:
-        modules = [n for n, info in reader.manifest.objects.items() if info.get("type") == "module"]
-        if obj is None:
-            if len(modules) != 1:
-                raise CheckpointError(
-                    f"{reader.directory} holds modules {modules}; choose one with --object"
-                )
-            obj = modules[0]
-        if obj not in modules:
-            raise CheckpointError(f"{reader.directory}: no module {obj!r} (modules: {modules})")
+        obj = _module_object(reader, obj)
         entries = [e for e in reader.entries(obj) if e.kind in ("param", "buffer")]
         masters = {e.fqn: e for e in reader.entries(obj) if e.kind == "master"}
         items: list[tuple[str, Any]] = []
@@ -157,15 +149,7 @@ def export_hf(
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst} exists and is not empty; export into a new directory")
     with CheckpointReader(src) as reader:
-        modules = [n for n, info in reader.manifest.objects.items() if info.get("type") == "module"]
-        if obj is None:
-            if len(modules) != 1:
-                raise CheckpointError(
-                    f"{reader.directory} holds modules {modules}; choose one with --object"
-                )
-            obj = modules[0]
-        if obj not in modules:
-            raise CheckpointError(f"{reader.directory}: no module {obj!r} (modules: {modules})")
+        obj = _module_object(reader, obj)
         entries = [e for e in reader.entries(obj) if e.kind in ("param", "buffer")]
 
         def out_dtype(entry: Any) -> torch.dtype:
@@ -225,6 +209,20 @@ def export_hf(
             if bar is not None:
                 bar.close()
     return dst
+
+
+def _module_object(reader: CheckpointReader, obj: str | None) -> str:
+    """The module object to export: ``obj``, or the checkpoint's only one."""
+    modules = [n for n, info in reader.manifest.objects.items() if info.get("type") == "module"]
+    if obj is None:
+        if len(modules) != 1:
+            raise CheckpointError(
+                f"{reader.directory} holds modules {modules}; choose one with --object"
+            )
+        obj = modules[0]
+    if obj not in modules:
+        raise CheckpointError(f"{reader.directory}: no module {obj!r} (modules: {modules})")
+    return obj
 
 
 def _dtype(entry: Any) -> torch.dtype:

@@ -736,6 +736,36 @@ def optimizer_load(
     return OptimizerLoad(info, names, reader.optimizer_entries(name), info.get("scalar_state", {}))
 
 
+def check_param_groups(
+    reader: Any, name: str, saved_groups: list[dict[str, Any]], group_names: list[list[str]]
+) -> None:
+    """The saved param groups hold the same parameters as the live ones (``group_names``),
+    group by group; mismatches go to ``reader.check_keys`` (the ``strict`` rule)."""
+    if len(saved_groups) != len(group_names):
+        reader.check_keys(
+            f"optimizer {name!r}",
+            [],
+            [],
+            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
+            f"{len(group_names)}",
+        )
+    target_all = {n for names in group_names for n in names}
+    saved_all = {n for group in saved_groups for n in group.get("params", [])}
+    reader.check_keys(
+        f"optimizer {name!r} parameters",
+        sorted(target_all - saved_all),
+        sorted(saved_all - target_all),
+    )
+    for index, (saved, names) in enumerate(zip(saved_groups, group_names)):
+        if set(saved.get("params", [])) != set(names):
+            reader.check_keys(
+                f"optimizer {name!r}",
+                [],
+                [],
+                extra=f"param group {index} holds different parameters in the checkpoint",
+            )
+
+
 def load_param_groups(
     reader: Any,
     name: str,
@@ -746,29 +776,8 @@ def load_param_groups(
     """Check that ``groups`` hold the saved parameters (by fqn, group by group) and copy the saved
     hyperparameters into them. Shared by every backend that loads an optimizer."""
     saved_groups = info.get("param_groups", [])
-    if len(saved_groups) != len(groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(groups)}",
-        )
-    target_all = {n for names in group_names for n in names}
-    saved_all = {n for group in saved_groups for n in group.get("params", [])}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
-    for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-        if set(saved.get("params", [])) != set(group_names[index]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {index} holds different parameters in the checkpoint",
-            )
+    check_param_groups(reader, name, saved_groups, group_names)
+    for group, saved in zip(groups, saved_groups):
         for key, value in saved.items():
             if key == "params":
                 continue

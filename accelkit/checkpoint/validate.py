@@ -28,6 +28,7 @@ import torch
 from accelkit.checkpoint.codec import decode
 from accelkit.checkpoint.fqn import module_tensors, user_module
 from accelkit.checkpoint.fragments import (
+    check_param_groups,
     classify_state,
     match_module_entries,
     param_group_names,
@@ -149,29 +150,8 @@ def check_optimizer(
     where = f"optimizer {name!r} in {reader.manifest_path}"
     if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
         raise CheckpointError(f"{where}: field 'param_groups' is not a list of objects")
-    if len(saved_groups) != len(groups):
-        reader.check_keys(
-            f"optimizer {name!r}",
-            [],
-            [],
-            extra=f"the checkpoint has {len(saved_groups)} param groups, the optimizer "
-            f"{len(groups)}",
-        )
-    target_all = {n for names in group_names for n in names}
-    saved_all = {n for g in saved_groups for n in g.get("params", [])}
-    reader.check_keys(
-        f"optimizer {name!r} parameters",
-        sorted(target_all - saved_all),
-        sorted(saved_all - target_all),
-    )
+    check_param_groups(reader, name, saved_groups, group_names)
     for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-        if set(saved.get("params", [])) != set(group_names[index]):
-            reader.check_keys(
-                f"optimizer {name!r}",
-                [],
-                [],
-                extra=f"param group {index} holds different parameters in the checkpoint",
-            )
         for key, value in saved.items():
             if key != "params" and key in group:
                 check_value(
