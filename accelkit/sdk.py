@@ -95,6 +95,7 @@ _SOURCES: dict[str, str] = {
     "Slot": "accelkit.checkpoint.sharded",
     "check_shape": "accelkit.checkpoint.sharded",
     "check_dense_load": "accelkit.checkpoint.validate",
+    "check_module_targets": "accelkit.checkpoint.validate",
     "check_optimizer": "accelkit.checkpoint.validate",
     "classify_state": "accelkit.checkpoint.sharded",
     "fill_tensor": "accelkit.checkpoint.sharded",
@@ -213,6 +214,7 @@ __all__ = [
     "Slot",
     "check_shape",
     "check_dense_load",
+    "check_module_targets",
     "check_optimizer",
     "classify_state",
     "fill_tensor",
@@ -351,7 +353,11 @@ if TYPE_CHECKING:
         tensor_fragments,
         weights_entry,
     )
-    from accelkit.checkpoint.validate import check_dense_load, check_optimizer
+    from accelkit.checkpoint.validate import (
+        check_dense_load,
+        check_module_targets,
+        check_optimizer,
+    )
     from accelkit.checkpoint.writer import agree
     from accelkit.config import build_options, closest, load_config_source, options_as_dict
     from accelkit.distributed import (

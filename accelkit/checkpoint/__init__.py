@@ -33,7 +33,7 @@ from accelkit.checkpoint.fragments import (
 from accelkit.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from accelkit.checkpoint.reader import CheckpointReader
 from accelkit.checkpoint.validate import Sections, read_sections, verify_share
-from accelkit.checkpoint.writer import agree, backend_of, save
+from accelkit.checkpoint.writer import agree, backend_of, save, was_agreed
 from accelkit.errors import CheckpointError, PartialLoadError
 
 log = logging.getLogger("accelkit")
@@ -95,6 +95,8 @@ def load(
     try:
         unconsumed = _load(backend, path, state, strict=strict, rng=rng, verify=verify)
     except Exception as err:
+        if was_agreed(err):  # every rank raises it already
+            raise
         error = err
     agree(error, f"loading {path}")
     return unconsumed
@@ -157,6 +159,8 @@ def _load_from(
     try:
         tensor_state, sections = _validate(backend, reader, state, rng=rng)
     except Exception as err:
+        if was_agreed(err):  # every rank raises it already
+            raise
         error = err
     agree(error, f"loading {reader.directory}")  # no rank writes unless every rank validated
     try:
@@ -191,9 +195,17 @@ def _validate(
                 )
         if name in objects.modules or name in objects.optimizers:
             tensor_state[name] = obj
-    reader.check_headers()
-    if reader.verify:  # every fragment checked once, the work split over the ranks
-        verify_share(reader, backend.rank, backend.world_size)
+    error: BaseException | None = None
+    try:
+        reader.check_headers()
+        if reader.verify:  # every fragment checked once, the work split over the ranks
+            verify_share(reader, backend.rank, backend.world_size)
+    except Exception as err:
+        error = err
+    # the checks so far are rank-local and may fail on one rank only; a backend's check_load may
+    # run collectives (a sharded module's state_dict gathers), so every rank learns the outcome
+    # first, or a rank that failed leaves the others waiting in that collective
+    agree(error, f"loading {reader.directory}")
     if tensor_state:
         backend.check_load(reader, tensor_state)
     sections = read_sections(backend, reader, state, rng=rng)

@@ -18,7 +18,7 @@ corrupted model. So :func:`accelkit.checkpoint.load` runs in two phases:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,37 +66,25 @@ def check_dense_load(
     reader: Any,
     state: dict[str, Any],
     shape_of: Callable[[Any], tuple[int, ...]] | None = None,
+    names: Iterable[str] | None = None,
 ) -> None:
     """Check what the dense loader will fill, without writing: each module's keys (the
-    ``strict`` rule) and shapes, then each torch optimizer (:func:`check_optimizer`).
-    ``shape_of`` gives a live tensor's full shape (default ``tensor.shape``: a DTensor's is
-    global)."""
-    shape_of = shape_of or (lambda t: tuple(t.shape))
+    ``strict`` rule) and shapes (:func:`check_module_targets`), then each torch optimizer
+    (:func:`check_optimizer`). ``shape_of`` gives a live tensor's full shape (default
+    ``tensor.shape``: a DTensor's is global); ``names`` limits the check to those objects of
+    ``state`` (a backend checks the others its own way)."""
     objects = classify_state(state)
+    wanted = set(state if names is None else names)
     for name, module in objects.modules.items():
-        inner = user_module(module, backend)
-        for entry, target, _is_param in match_module_entries(reader, name, module_tensors(inner)):
-            source = weights_entry(reader, name, entry)
-            live = shape_of(target)
-            if math.prod(live) == 0 and entry.numel:
-                continue  # a placeholder of a library that partitions (ZeRO-3): its loader checks
-            for saved in {id(entry): entry, id(source): source}.values():
-                if tuple(saved.shape) != live:
-                    raise CheckpointError(
-                        f"tensor {saved.label}: the checkpoint ({reader.manifest_path}) has shape "
-                        f"{list(saved.shape)}, the target has {list(live)}; "
-                        "nothing was loaded"
-                    )
-            _check_kind(reader, source, target)
-            if getattr(target, "device", None) is not None and target.device.type == "meta":
-                raise CheckpointError(
-                    f"tensor {entry.label}: the target is on the meta device; materialize the "
-                    "model (to_empty) before loading"
-                )
+        if name in wanted:
+            targets = module_tensors(user_module(module, backend))
+            check_module_targets(reader, name, targets, shape_of)
     owners = param_owners(objects.modules, backend)
     for name, opt in objects.optimizers.items():
+        if name not in wanted:
+            continue
         groups = opt.param_groups
-        names, _ = param_group_names(
+        group_names, _ = param_group_names(
             [g["params"] for g in groups], owners, primary=_primary(reader, name)
         )
         params = [p for g in groups for p in g["params"]]
@@ -107,7 +95,39 @@ def check_dense_load(
         # a library's own optimizer keeps its state its own way (flat buffers, other keys):
         # compare state keys with the live ones only for torch's optimizers
         live = opt.state if type(opt).__module__.startswith("torch.optim") else None
-        check_optimizer(reader, name, groups, names, live)
+        check_optimizer(reader, name, groups, group_names, live)
+
+
+def check_module_targets(
+    reader: Any,
+    name: str,
+    targets: Iterable[tuple[str, Any, bool, list[str]]],
+    shape_of: Callable[[Any], tuple[int, ...]] | None = None,
+) -> None:
+    """Module ``name``'s saved tensors against its live ``targets`` (``(fqn, target,
+    is_param, aliases)``, as :func:`~accelkit.checkpoint.fqn.module_tensors` lists them):
+    keys under the ``strict`` rule, full shapes, float/integer kind, no meta tensor. A target
+    needs only ``shape`` (and ``dtype``, ``device`` where it has them), so a backend whose
+    parameters are flat buffers passes one stand-in per original parameter."""
+    shape_of = shape_of or (lambda t: tuple(t.shape))
+    for entry, target, _is_param in match_module_entries(reader, name, targets):
+        source = weights_entry(reader, name, entry)
+        live = shape_of(target)
+        if math.prod(live) == 0 and entry.numel:
+            continue  # a placeholder of a library that partitions (ZeRO-3): its loader checks
+        for saved in {id(entry): entry, id(source): source}.values():
+            if tuple(saved.shape) != live:
+                raise CheckpointError(
+                    f"tensor {saved.label}: the checkpoint ({reader.manifest_path}) has shape "
+                    f"{list(saved.shape)}, the target has {list(live)}; "
+                    "nothing was loaded"
+                )
+        _check_kind(reader, source, target)
+        if getattr(target, "device", None) is not None and target.device.type == "meta":
+            raise CheckpointError(
+                f"tensor {entry.label}: the target is on the meta device; materialize the "
+                "model (to_empty) before loading"
+            )
 
 
 def _check_kind(reader: Any, entry: Any, target: Any) -> None:

@@ -72,9 +72,17 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
     if not failed:
         return
     if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
+        error.agreed = True  # type: ignore[attr-defined]
         raise error
     detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-    raise CheckpointError(f"{what} failed: {detail}") from error
+    agreed = CheckpointError(f"{what} failed: {detail}")
+    agreed.agreed = True  # type: ignore[attr-defined]
+    raise agreed from error
+
+
+def was_agreed(error: BaseException) -> bool:
+    """Whether ``error`` came out of :func:`agree` (so every rank of the group raises it now)."""
+    return bool(getattr(error, "agreed", False))
 
 
 def _gather_to_rank0(record: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:

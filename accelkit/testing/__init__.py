@@ -19,9 +19,11 @@ result.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,6 +107,27 @@ def _rank_logs(logdir: Path, nproc: int) -> str:
     return "\n".join(parts)
 
 
+def _run_group(cmd: list[str], env: dict[str, str], timeout: float) -> Any:
+    """Run ``cmd`` in its own process group; past ``timeout``, kill the whole group (torchrun
+    and every rank: killing torchrun alone leaves hung ranks running) and raise TimeoutExpired."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_ranks(
     target: str,
     kwargs: dict[str, Any] | None = None,
@@ -141,9 +164,7 @@ def run_ranks(
                 str(outdir),
             ]
             try:
-                proc = subprocess.run(
-                    cmd, env=rank_env, capture_output=True, text=True, timeout=timeout
-                )
+                proc = _run_group(cmd, rank_env, timeout)
             except subprocess.TimeoutExpired as err:
                 raise RanksFailed(
                     f"{target} did not finish on {nproc} processes within {timeout:.0f} s\n"

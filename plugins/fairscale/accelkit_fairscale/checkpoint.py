@@ -38,6 +38,9 @@ from accelkit.sdk import (
     ReplicaPlanner,
     Slot,
     canonical_fqn,
+    check_dense_load,
+    check_module_targets,
+    check_optimizer,
     check_shape,
     classify_state,
     decode,
@@ -349,6 +352,50 @@ def load_fsdp_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> Non
             load_dense_fragments(backend, reader, state, names=[name])
             continue
         _load_fsdp_optimizer(reader, name, opt, layouts[module_name])
+
+
+def check_fsdp_load(backend: Any, reader: Any, state: dict[str, Any]) -> None:
+    """The load's validate phase for FSDP units: each original parameter (a piece of a flat
+    parameter, by its full shape) and buffer, and each optimizer's groups and state keys, by
+    the pieces' names; no gather. Other objects get the dense check."""
+    objects = classify_state(state)
+    layouts: dict[str, list[_Flat]] = {}
+    dense: list[str] = []
+    for name, module in objects.modules.items():
+        root = _fsdp_root(module)
+        if root is None:
+            dense.append(name)
+            continue
+        layouts[name] = fsdp_layout(root)
+        targets: list[Any] = [
+            (piece.fqn, _Shape(piece.shape, flat.param.dtype), True, piece.aliases)
+            for flat in layouts[name]
+            for piece in flat.pieces
+        ]
+        targets += [(fqn, buffer, False, []) for fqn, buffer in _persistent_buffers(root)]
+        check_module_targets(reader, name, targets)
+    for name, opt in objects.optimizers.items():
+        module_name = _module_of(opt, layouts)
+        if module_name is None:
+            dense.append(name)
+            continue
+        by_param = {id(f.param): f for f in layouts[module_name]}
+        names = [
+            [piece.fqn for p in group["params"] for piece in by_param[id(p)].pieces]
+            for group in opt.param_groups
+        ]
+        live = opt.state if type(opt).__module__.startswith("torch.optim") else None
+        check_optimizer(reader, name, opt.param_groups, names, live)
+    if dense:
+        check_dense_load(backend, reader, state, names=dense)
+
+
+@dataclass
+class _Shape:
+    """What the validate phase needs of an original parameter that lives inside a flat one."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @torch.no_grad()

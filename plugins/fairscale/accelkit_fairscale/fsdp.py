@@ -412,6 +412,13 @@ class FairScaleFSDPBackend(DistributedBackend):
 
         load_fsdp_fragments(self, reader, state)
 
+    def check_load(self, reader: Any, state: dict[str, Any]) -> None:
+        """Keys, full shapes and optimizer state by the original parameters inside each flat
+        one (no gather: the dense check would all-gather every unit through state_dict)."""
+        from accelkit_fairscale.checkpoint import check_fsdp_load
+
+        check_fsdp_load(self, reader, state)
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """FairScale's full state dict: every unit's parameters all-gathered, on every rank,
         with FairScale's wrapper prefixes removed. Copies, in the parameters' dtype (fp32)."""
