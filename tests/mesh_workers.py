@@ -94,7 +94,7 @@ def _plan() -> dict[str, Any]:
     return plan
 
 
-def reference(replicate: int, shard: int, tp: int) -> dict[str, Any]:
+def reference(replicate: int, shard: int, tp: int, device: str = "cpu") -> dict[str, Any]:
     """Raw PyTorch: the same mesh, plan, FSDP2 units, accumulation and clipping."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,10 +102,14 @@ def reference(replicate: int, shard: int, tp: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=("r", "s", "t"))
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(device, (replicate, shard, tp), mesh_dim_names=("r", "s", "t"))
     torch.manual_seed(0)
-    model = TinyGPT()
+    model = TinyGPT().to(device)
     if tp > 1:
         parallelize_module(model, mesh["t"], _plan())
     dp_mesh = mesh["r", "s"] if replicate > 1 else mesh["s"]
@@ -115,7 +119,7 @@ def reference(replicate: int, shard: int, tp: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp_rank = mesh["r"].get_local_rank() * shard + mesh["s"].get_local_rank()
     losses, norms = [], []
-    data = batches(dp_rank, replicate * shard)
+    data = [d.to(device) for d in batches(dp_rank, replicate * shard)]
     for step in range(STEPS):
         for micro in range(ACCUMULATION):
             last = micro == ACCUMULATION - 1
@@ -146,17 +150,19 @@ def reference(replicate: int, shard: int, tp: int) -> dict[str, Any]:
     return out
 
 
-def accelkit_run(options: dict[str, Any]) -> dict[str, Any]:
+def accelkit_run(options: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
     import accelkit
 
     accel = accelkit.get(
-        "fsdp", device="cpu", accumulation_steps=ACCUMULATION, max_grad_norm=MAX_NORM, **options
+        "fsdp", device=device, accumulation_steps=ACCUMULATION, max_grad_norm=MAX_NORM, **options
     )
     torch.manual_seed(0)
     model = TinyGPT()
     model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     backend = accel.backend
-    data = batches(backend.data_parallel_rank, backend.data_parallel_world_size)
+    data = [
+        d.to(device) for d in batches(backend.data_parallel_rank, backend.data_parallel_world_size)
+    ]
     losses, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATION):

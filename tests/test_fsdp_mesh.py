@@ -111,6 +111,38 @@ def test_training_on_the_mesh_matches_raw_pytorch(shape):
     assert max_diff(ours[0]["params"], one["params"]) < SINGLE_PROCESS_TOLERANCE
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "options",
+    [{"dp_replicate": 1, "dp_shard": 1, "tp": 1}, {"tp": 1, "tp_plan": "auto"}],
+    ids=["mesh-1x1x1", "tp-1-with-plan"],
+)
+def test_gpu_a_one_gpu_mesh_degenerates_to_plain_fsdp(options):
+    """On one GPU, a mesh of ones (and tp=1 with a plan) trains like raw fully_shard on a 1-rank
+    mesh: same losses, norms and weights within TOLERANCE (deterministic kernels); on the CPU this pair is
+    bit-exact."""
+    kwargs = {"nproc": 1, "timeout": 300, "path": [HERE], "env": DETERMINISTIC}
+    ref = run_ranks(
+        "mesh_workers:reference", {"replicate": 1, "shard": 1, "tp": 1, **CUDA}, **kwargs
+    )
+    ours = run_ranks("mesh_workers:accelkit_run", {"options": options, **CUDA}, **kwargs)
+    from mesh_workers import max_diff
+
+    gaps = {
+        "losses": max(abs(a - b) for a, b in zip(ours[0]["losses"], ref[0]["losses"])),
+        "norms": max(abs(a - b) for a, b in zip(ours[0]["norms"], ref[0]["norms"])),
+        "params": max_diff(ours[0]["params"], ref[0]["params"]),
+    }
+    print(f"one-GPU mesh {options}: {gaps}")
+    assert ours[0]["dp"] == [0, 1]
+    assert all(gap < TOLERANCE for gap in gaps.values()), gaps
+    assert min(ref[0]["norms"]) > 0.05, "the reference never clipped: the check would be blind"
+
+
+CUDA = {"device": "cuda"}
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
 # ---- resume on any layout ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_2d_checkpoint_resumes_bit_for_bit_on_every_layout_and_a_damaged_one_fails(tmp_path):
