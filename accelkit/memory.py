@@ -47,6 +47,12 @@ def is_out_of_memory(err: BaseException) -> bool:
     return False
 
 
+def _first_line(err: BaseException) -> str:
+    """The allocator's message without its advice paragraph, for one log line."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def release_memory(accel: Any = None) -> None:
     """Free what an attempt built: the Accelerator's objects (if given), then cached memory."""
     if accel is not None:
@@ -92,16 +98,20 @@ def find_executable_batch_size(
             except Exception as err:
                 if not is_out_of_memory(err):
                     raise
-                smaller = reduce(size)
-                del err  # its traceback holds the failed attempt's tensors
-                release_memory(accel)
-                if smaller < min_batch_size or smaller >= size:
-                    raise RuntimeError(
-                        f"find_executable_batch_size: out of memory down to batch size {size} "
-                        f"(min_batch_size={min_batch_size}); the model itself may not fit, or "
-                        "memory is held outside the function"
-                    ) from None
-                log.warning("out of memory at batch size %d; retrying with %d", size, smaller)
-                size = smaller
+                reason = _first_line(err)
+            # freed here, not in the except block: while an exception is being handled its
+            # traceback keeps the failed attempt's frames (tensors, an engine) alive
+            release_memory(accel)
+            smaller = reduce(size)
+            if smaller < min_batch_size or smaller >= size:
+                raise RuntimeError(
+                    f"find_executable_batch_size: out of memory down to batch size {size} "
+                    f"(min_batch_size={min_batch_size}); the model itself may not fit, or "
+                    f"memory is held outside the function. Last error: {reason}"
+                )
+            log.warning(
+                "out of memory at batch size %d (%s); retrying with %d", size, reason, smaller
+            )
+            size = smaller
 
     return run

@@ -5,6 +5,7 @@
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
 #        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
+#        [oom] [pretrainedgpu]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -154,6 +155,31 @@ for p in "$@"; do
       part launchtests
       timeout 200 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 180 tests/test_launch.py > "$OUTDIR/launch-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/launch-tests.log" | tail -10 ;;
+    oom)
+      # find_executable_batch_size against the CUDA allocator's own OOM on cuda and deepspeed_stage_2
+      # (tests/test_batch_size_finder.py's gpu tests; about 60 s)
+      part oom
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 170 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 160 tests/test_batch_size_finder.py > "$OUTDIR/oom-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/oom-tests.log" | tail -10
+      python3 - "$OUTDIR/batch-size-finder-gpu.jsonl" <<'PY' 2>&1 | tail -24
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['test']}: found {r['attempts'][-1]['batch_size']}, predicted {r['predicted']}, "
+          f"{r['seconds']} s, loss {r['loss']:.4g}, problems {r['problems']}")
+    for a in r["attempts"]:
+        print(f"  batch {a['batch_size']:>9}: starts at +{a['allocated_at_start'] / 2**20:.1f} MiB, "
+              f"peak +{a['peak_allocated'] / 2**30:.1f} GiB, {a['seconds']} s, {a.get('error', 'fits')[:110]}")
+    print(f"  after the call +{r['allocated_after_call'] / 2**20:.1f} MiB, after free_memory "
+          f"+{r['allocated_after_free_memory'] / 2**20:.1f} MiB (baseline {r['baseline'] / 2**20:.1f} MiB)")
+PY
+      ;;
+    pretrainedgpu)
+      # accel.load_pretrained of a GPT-2-small-shaped sharded checkpoint (fp32 and bf16 files) into
+      # fsdp and deepspeed_stage_3, one rank: GB/s, peak host RSS and device memory (about 75 s)
+      part pretrainedgpu
+      timeout 280 python3 bench/pretrained_gpu.py --timeout 120 --out "$OUTDIR/pretrained-gpu.json" > "$OUTDIR/pretrained-gpu.log" 2>&1
+      tail -12 "$OUTDIR/pretrained-gpu.log" ;;
     *) echo "unknown part $p" ;;
   esac
 done
