@@ -242,8 +242,13 @@ class Accelerator:
         shuffle: bool | None = None,
         move_to_device: bool = True,
         use_distributed_sampler: bool = True,
+        stream_split: str = "auto",
     ) -> AcceleratedDataLoader:
-        """Shard ``loader`` by data-parallel rank, move batches, make it resumable mid-epoch."""
+        """Shard ``loader`` by data-parallel rank, move batches, make it resumable mid-epoch.
+
+        ``stream_split`` (streams only): ``"auto"`` reads each rank's own shards where the
+        dataset has ``n_shards``/``shard`` and they divide evenly, else strides; ``"shards"``
+        insists; ``"stride"`` always strides (a position that resumes at any world size)."""
         sampler = None
         if use_distributed_sampler:
             seed = self.backend.settings.seed
@@ -254,6 +259,7 @@ class Accelerator:
                 seed=0 if seed is None else seed,
                 shuffle=shuffle,
                 seed_workers=os.environ.get("ACCELKIT_SEED_WORKERS") == "1",
+                stream_split=stream_split,
             )
         wrapped = AcceleratedDataLoader(loader, sampler, self, move_to_device)
         self._loaders.append(wrapped)

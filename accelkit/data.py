@@ -9,6 +9,14 @@ whole stream and keeps its own block of each *round* (``world_size * batch_size`
 within a rank each DataLoader worker keeps every ``num_workers``-th round. After any number of
 steps the consumed samples are a prefix of the stream, so the position is one global count and a
 run resumed at another world size or worker count sees each remaining sample once.
+
+A stream that knows its shards (``n_shards`` and ``shard(num_shards, index)``, as
+``datasets.IterableDataset`` has) whose shard count divides evenly among the readers (data-parallel
+ranks x DataLoader workers) is split by shards instead (:class:`ShardedStream`): each reader reads
+only its own shards. The ranks agree after every batch that each one has a next batch, so they
+step the same number of times (the pass ends for all when the first rank's shards run out). The
+position is each reader's sample count, which holds only for the same ranks, workers and shards:
+a resume at another world size is refused, naming ``stream_split="stride"``.
 """
 
 from __future__ import annotations
@@ -160,6 +168,83 @@ class StridedStream(torch.utils.data.IterableDataset):
         return self.round_states.get(rounds)
 
 
+#: ``setup_dataloader(stream_split=...)``: how a stream is divided among ranks and workers
+STREAM_SPLITS = ("auto", "shards", "stride")
+
+
+def shard_count(dataset: Any) -> int | None:
+    """The dataset's shard count where it follows the shard protocol (an ``int`` ``n_shards``
+    and a ``shard(num_shards, index)`` method returning that piece), else None."""
+    count = getattr(dataset, "n_shards", None)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        return None
+    return count if callable(getattr(dataset, "shard", None)) else None
+
+
+class ShardedStream(torch.utils.data.IterableDataset):
+    """One rank's shards of a stream: reader ``rank * workers + w`` of ``num_replicas *
+    workers`` reads ``dataset.shard(readers, reader)`` from sample ``starts[w]`` on. DataLoader
+    worker ``i`` is this rank's reader ``w = (i + offset) % workers``: a resumed pass rotates
+    them so that the DataLoader, which asks its workers in turn from worker 0, asks the reader
+    whose turn it was when the position was saved."""
+
+    def __init__(self, dataset: Any, *, num_replicas: int, rank: int, workers: int) -> None:
+        self.dataset = dataset
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.workers = max(1, workers)
+        self.n_shards = shard_count(dataset)
+        self.starts = [0] * self.workers  # samples of each reader's piece already consumed
+        self.offset = 0  # the reader DataLoader worker 0 is
+        self.epoch = 0
+
+    @property
+    def readers(self) -> int:
+        return self.num_replicas * self.workers
+
+    def reader(self, worker_id: int) -> int:
+        """This rank's reader that DataLoader worker ``worker_id`` is."""
+        return (worker_id + self.offset) % self.workers
+
+    def piece(self, reader: int) -> Any:
+        """What this rank's reader ``reader`` reads, set to this epoch where it has epochs."""
+        if self.readers == 1:
+            return self.dataset
+        index = self.rank * self.workers + reader
+        if type(self.dataset).__module__.startswith("datasets."):
+            # datasets' own split by shards keeps the stream's shuffling (its ``shard`` drops
+            # it: the same order every epoch); under no DataLoader worker (refused) it splits no
+            # further
+            from datasets.distributed import split_dataset_by_node
+
+            piece = split_dataset_by_node(self.dataset, rank=index, world_size=self.readers)
+        else:
+            piece = self.dataset.shard(self.readers, index)
+        set_epoch = getattr(piece, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
+        return piece
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = torch.utils.data.get_worker_info()
+        reader = self.reader(worker.id if worker else 0)
+        yield from itertools.islice(iter(self.piece(reader)), self.starts[reader], None)
+
+
+class ReaderCountingCollate:
+    """A DataLoader's ``collate_fn`` that also says which worker made the batch, of how many
+    samples: ``(worker, count, batch)``, so the main process knows each reader's position."""
+
+    def __init__(self, collate_fn: Any, batched: bool) -> None:
+        self.collate_fn = collate_fn
+        self.batched = batched
+
+    def __call__(self, data: Any) -> tuple[int, int, Any]:
+        worker = torch.utils.data.get_worker_info()
+        count = len(data) if self.batched else 1
+        return (worker.id if worker else 0, count, self.collate_fn(data))
+
+
 class AcceleratedDataLoader:
     """What :meth:`Accelerator.setup_dataloader` returns: iterate it like the original loader."""
 
@@ -175,6 +260,14 @@ class AcceleratedDataLoader:
         self._accel = accelerator
         self._move = move_to_device
         self.stream = loader.dataset if isinstance(loader.dataset, StridedStream) else None
+        self.shards = loader.dataset if isinstance(loader.dataset, ShardedStream) else None
+        #: samples each reader (rank, worker) has consumed in this epoch (shard split), and
+        #: each rank's reader whose turn is next
+        self.reader_counts: list[list[int]] = self._zero_counts()
+        self.next_readers: list[int] = [0] * len(self.reader_counts)
+        self._fetched: list[int] = []  # this rank's counts up to the batch fetched ahead
+        self._fetched_next = 0
+        self._told_uneven = False
         self._stream_start = 0  # global samples skipped when the current pass began
         self.epoch = 0
         self.consumed = 0  # global samples consumed in this epoch
@@ -220,13 +313,16 @@ class AcceleratedDataLoader:
             self._generator.manual_seed((s.seed * 1_000_003 + self.epoch * 1009 + s.rank) % 2**63)
         if self.stream is not None:
             self._begin_stream_pass()
+        if self.shards is not None:
+            self._begin_shard_pass()
         done = object()
         iterator = iter(self.loader)
+        fetch = self._next_agreed if self.shards is not None else next
         try:
-            upcoming = next(iterator, done)
+            upcoming = fetch(iterator, done)
             while upcoming is not done:
                 batch = upcoming
-                upcoming = next(iterator, done)
+                upcoming = fetch(iterator, done)
                 self.is_last_batch = upcoming is done
                 if self.sampler is not None:
                     self.consumed = min(
@@ -234,13 +330,69 @@ class AcceleratedDataLoader:
                     )
                 elif self.stream is not None:
                     self.consumed += self._global_batch()
+                elif self.shards is not None:
+                    batch, (self.reader_counts, self.next_readers) = batch
+                    self.consumed = sum(map(sum, self.reader_counts))
                 self._accel._on_batch(self)
                 yield self._accel.to_device(batch) if self._move else batch
         finally:  # also when the loop leaves early (break): this loader is no longer current
             self.is_last_batch = False
             self._accel._on_epoch_end(self)
-        if self.sampler is not None or self.stream is not None:
+        if self.sampler is not None or self.stream is not None or self.shards is not None:
             self.epoch, self.consumed = self.epoch + 1, 0
+            self.reader_counts = self._zero_counts()
+            self.next_readers = [0] * len(self.reader_counts)
+
+    # ---- shard split ----------------------------------------------------------------------------
+    def _zero_counts(self) -> list[list[int]]:
+        shards = self.shards
+        return [[0] * shards.workers for _ in range(shards.num_replicas)] if shards else []
+
+    def _begin_shard_pass(self) -> None:
+        shards = self.shards
+        assert shards is not None
+        set_epoch = getattr(shards.dataset, "set_epoch", None)
+        if callable(set_epoch):  # a shuffling stream reorders by epoch
+            set_epoch(self.epoch)
+        shards.epoch = self.epoch
+        shards.starts = list(self.reader_counts[shards.rank])
+        shards.offset = self.next_readers[shards.rank]
+        self._fetched = list(shards.starts)
+        self._fetched_next = shards.offset
+
+    def _next_agreed(self, iterator: Iterator[Any], done: Any) -> Any:
+        """The next ``(batch, (reader counts, next readers) after it)``, or ``done`` for every
+        rank at once: the ranks share whether each has a batch (and where its readers are), so
+        none steps once more than another, which would leave it waiting in a collective."""
+        shards = self.shards
+        assert shards is not None
+        item = next(iterator, done)
+        if item is not done:
+            worker, count, item = item
+            reader = shards.reader(worker)
+            self._fetched[reader] += count
+            self._fetched_next = (reader + 1) % shards.workers
+        mine = [int(item is not done), self._fetched_next, *self._fetched]
+        if shards.num_replicas == 1:
+            rows = [mine]
+        else:
+            from accelkit import distributed
+
+            local = torch.tensor(mine, dtype=torch.int64, device=self._accel.device)
+            group = self._accel.backend.data_parallel_group()
+            rows = distributed.all_gather(local, group=group).tolist()
+        if all(row[0] for row in rows):
+            return item, ([row[2:] for row in rows], [row[1] for row in rows])
+        ahead = [rank for rank, row in enumerate(rows) if row[0]]
+        if ahead and not self._told_uneven and shards.rank == 0:
+            self._told_uneven = True
+            log.info(
+                "stream split by shards: the pass ends for every rank when the first rank's "
+                "shards run out; ranks %s had more batches, left out of this pass "
+                "(stream_split='stride' reads every sample, the uneven end padded or dropped)",
+                ahead,
+            )
+        return done
 
     def _begin_stream_pass(self) -> None:
         stream = self.stream
@@ -262,6 +414,16 @@ class AcceleratedDataLoader:
                 world_size=self.sampler.num_replicas,
                 dataset_len=self.sampler.dataset_len,
             )
+        if self.shards is not None:
+            state.update(
+                stream=True,
+                split="shards",
+                world_size=self.shards.num_replicas,
+                workers=self.shards.workers,
+                n_shards=self.shards.n_shards,
+                reader_counts=[list(row) for row in self.reader_counts],
+                next_readers=list(self.next_readers),
+            )
         if self.stream is not None:
             state.update(stream=True, world_size=self.stream.num_replicas)
             rounds, partial = divmod(self.consumed - self._stream_start, self.stream.round_size)
@@ -278,19 +440,74 @@ class AcceleratedDataLoader:
         if not isinstance(state, dict) or not {"epoch", "consumed"} <= state.keys():
             raise ConfigError(f"not a loader position: {str(state)[:80]!r}")
         saved_stream = bool(state.get("stream", False))
-        if saved_stream != (self.stream is not None):
+        if saved_stream != (self.stream is not None or self.shards is not None):
             saved = "a stream (IterableDataset)" if saved_stream else "a map-style dataset"
-            here = "a stream" if self.stream is not None else "not a stream"
+            here = "not a stream" if saved_stream else "a stream"
             raise ConfigError(
                 f"this loader position was saved for {saved}, but the loader it is loaded into "
                 f"is {here}: a position in one cannot be found in the other; load it into a "
                 "loader over the same dataset"
             )
+        if saved_stream:
+            self._check_split(state)
+
+    def _check_split(self, state: dict[str, Any]) -> None:
+        """A shard-split position holds only in the same split: same ranks, workers, shards."""
+        saved = state.get("split", "stride")
+        here = "shards" if self.shards is not None else "stride"
+        source = self.shards or self.stream
+        assert source is not None
+        ours = (
+            source.num_replicas,
+            max(1, self.loader.num_workers),
+            shard_count(source.dataset),
+        )
+        theirs = (state.get("world_size"), state.get("workers"), state.get("n_shards"))
+        if saved == "shards" and ours != theirs:
+            raise ConfigError(
+                "this stream position was saved with the stream split by shards over "
+                f"{theirs[0]} data-parallel ranks x {theirs[1]} DataLoader workers "
+                f"({theirs[2]} shards); this loader has {ours[0]} x {ours[1]} ({ours[2]} "
+                "shards). Each reader's position holds only in the same split: resume with the "
+                "same world size, num_workers and shards, or pass setup_dataloader(..., "
+                "stream_split='stride') when training, whose position (a prefix of the stream) "
+                "resumes at any world size and worker count"
+            )
+        if saved != here:
+            raise ConfigError(
+                f"this stream position was saved with the stream split by {saved}, but this "
+                f"loader splits it by {here}: one position cannot be found in the other. Load it "
+                f"with setup_dataloader(..., stream_split={saved!r})"
+            )
+        if self.shards is None:
+            return
+        counts = state.get("reader_counts")
+        if (
+            not isinstance(counts, list)
+            or len(counts) != ours[0]
+            or not all(
+                isinstance(row, list)
+                and len(row) == ours[1]
+                and all(isinstance(c, int) and c >= 0 for c in row)
+                for row in counts
+            )
+        ):
+            raise ConfigError(f"malformed stream position: reader_counts {str(counts)[:80]}")
+        turns = state.get("next_readers")
+        if (
+            not isinstance(turns, list)
+            or len(turns) != ours[0]
+            or not all(isinstance(t, int) and 0 <= t < ours[1] for t in turns)
+        ):
+            raise ConfigError(f"malformed stream position: next_readers {str(turns)[:80]}")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+        if self.shards is not None:
+            self.reader_counts = [list(row) for row in state["reader_counts"]]
+            self.next_readers = list(state["next_readers"])
         if self.sampler is not None and "seed" in state:
             self.sampler.seed = int(state["seed"])
         if self.stream is not None:
@@ -322,10 +539,16 @@ def rebuild_dataloader(
     seed: int,
     shuffle: bool | None,
     seed_workers: bool,
+    stream_split: str = "auto",
 ) -> tuple[DataLoader, ResumableSampler | None]:
-    """A copy of ``loader`` with a :class:`ResumableSampler`; unchanged if it cannot be resharded."""
+    """A copy of ``loader`` with a :class:`ResumableSampler`; unchanged if it cannot be resharded.
+    A stream gets a :class:`ShardedStream` or a :class:`StridedStream` (``stream_split``)."""
+    if stream_split not in STREAM_SPLITS:
+        raise ConfigError(f"stream_split must be one of {STREAM_SPLITS}, got {stream_split!r}")
     dataset = loader.dataset
     if isinstance(dataset, torch.utils.data.IterableDataset):
+        if _split_by_shards(loader, num_replicas, rank, stream_split):
+            return _sharded_loader(loader, num_replicas, rank, seed_workers), None
         stream_loader = _stream_loader(
             loader, num_replicas=num_replicas, rank=rank, seed_workers=seed_workers
         )
@@ -384,7 +607,7 @@ def _loader_kwargs(loader: DataLoader, seed_workers: bool) -> dict[str, Any]:
 
 
 def _refuse_unshardable_stream(loader: DataLoader) -> None:
-    """Streams that striding would silently get wrong: refuse them with what to do instead."""
+    """Streams that splitting would silently get wrong: refuse them with what to do instead."""
     dataset = loader.dataset
     if getattr(dataset, "_distributed", None) is not None:  # datasets' split_dataset_by_node
         raise ConfigError(
@@ -416,6 +639,53 @@ def _refuse_unshardable_stream(loader: DataLoader) -> None:
             "`def __iter__(self): yield from ...`), or pass "
             "use_distributed_sampler=False to take it as it is"
         )
+
+
+def _split_by_shards(loader: DataLoader, num_replicas: int, rank: int, stream_split: str) -> bool:
+    """Whether to split this stream by its shards: asked for or possible (``auto``), else the
+    stride, said once on rank zero with the reason."""
+    if stream_split == "stride":
+        return False
+    count = shard_count(loader.dataset)
+    readers = num_replicas * max(1, loader.num_workers)
+    persistent = loader.num_workers > 0 and loader.persistent_workers
+    fits = count is not None and count % readers == 0 and not persistent
+    if fits and (readers > 1 or stream_split == "shards"):
+        return True  # (one reader reads the whole stream either way: the stride's position
+        # resumes at any world size)
+    if count is not None and readers == 1:
+        return False
+    if count is None:
+        reason = "it has no n_shards/shard(num_shards, index)"
+    elif persistent:
+        # a persistent worker keeps the copy of the stream it got first: a later pass would
+        # start where the first one (a resume) started
+        reason = "persistent DataLoader workers keep the first pass's starting points"
+    else:
+        reason = (
+            f"its {count} shards do not divide evenly among {num_replicas} data-parallel "
+            f"ranks x {max(1, loader.num_workers)} DataLoader workers"
+        )
+    if stream_split == "shards":
+        raise ConfigError(f"stream_split='shards': this stream cannot be split by shards: {reason}")
+    if count is not None and rank == 0:
+        log.info(
+            "stream split by stride, not by shards: %s (every rank reads the whole stream)", reason
+        )
+    return False
+
+
+def _sharded_loader(
+    loader: DataLoader, num_replicas: int, rank: int, seed_workers: bool
+) -> DataLoader:
+    """``loader`` over this rank's shards, batches tagged with their worker and sample count."""
+    _refuse_unshardable_stream(loader)
+    stream = ShardedStream(
+        loader.dataset, num_replicas=num_replicas, rank=rank, workers=loader.num_workers
+    )
+    kwargs = _loader_kwargs(loader, seed_workers)
+    kwargs["collate_fn"] = ReaderCountingCollate(loader.collate_fn, loader.batch_size is not None)
+    return DataLoader(stream, **kwargs)
 
 
 def _stream_loader(

@@ -63,11 +63,17 @@ def numbers(batch) -> list[int]:
 
 
 def ddp_job(kind: str, root: str) -> dict:
-    """On each of 2 ranks: a whole pass, then a new run that saves after SAVE_AFTER steps."""
+    """On each of 2 ranks: a whole pass, then a new run that saves after SAVE_AFTER steps.
+    Strided (the json files' 4 shards would split by shards): its position resumes at any
+    world size."""
     accel = accelkit.get("ddp", seed=0)
-    loader = accel.setup_dataloader(DataLoader(make_dataset(kind, root), batch_size=BATCH))
+    loader = accel.setup_dataloader(
+        DataLoader(make_dataset(kind, root), batch_size=BATCH), stream_split="stride"
+    )
     whole = [i for batch in loader for i in numbers(batch)]
-    again = accel.setup_dataloader(DataLoader(make_dataset(kind, root), batch_size=BATCH))
+    again = accel.setup_dataloader(
+        DataLoader(make_dataset(kind, root), batch_size=BATCH), stream_split="stride"
+    )
     before_save = []
     for step, batch in enumerate(again):
         before_save += numbers(batch)

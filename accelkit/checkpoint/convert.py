@@ -211,6 +211,162 @@ def export_hf(
     return dst
 
 
+#: the top-level keys of a DCP export: what ``dcp.load({"model": ..., "optim": ...})`` names
+DCP_MODEL_KEY, DCP_OPTIM_KEY = "model", "optim"
+
+
+def export_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    obj: str | None = None,
+    optimizer: str | bool | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write module ``obj`` of checkpoint ``src`` as a torch.distributed.checkpoint directory
+    ``dst`` holding ``{"model": weights}``, plus ``"optim"`` with ``optimizer`` (True: the one
+    optimizer of that module; or its object name): the state ``get_optimizer_state_dict`` gives
+    for a plain model, keyed by parameter name, so ``dcp.load`` + ``set_state_dict`` restore it.
+
+    Streamed: DCP writes one file per tensor, and each tensor is read from ``src`` (checksum
+    verified) only when DCP writes it, so peak memory is one tensor. Written into a temporary
+    directory beside ``dst`` and renamed at the end: a failure leaves no ``dst``."""
+    import shutil
+
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst} exists and is not empty; export into a new directory")
+    with CheckpointReader(src) as reader:
+        obj = _module_object(reader, obj)
+        sources: dict[int, Any] = {}  # id(placeholder) -> the entry it stands for
+
+        def placeholder(entry: Any) -> torch.Tensor:
+            shell = torch.empty(entry.shape, dtype=_dtype(entry), device="meta")
+            sources[id(shell)] = entry
+            return shell
+
+        weights = {}
+        for entry in reader.entries(obj):
+            if entry.kind in ("param", "buffer"):
+                for name in (entry.fqn, *entry.aliases):
+                    weights[name] = placeholder(entry)
+        state: dict[str, Any] = {DCP_MODEL_KEY: weights}
+        if optimizer:
+            name = _optimizer_object(reader, obj, None if optimizer is True else str(optimizer))
+            state[DCP_OPTIM_KEY] = _fqn_optimizer_state(reader, name, set(weights), placeholder)
+        total = sum(e.numel * _dtype(e).itemsize for e in map(sources.get, sources))
+        bar = _progress(total, progress, f"export {dst.name}")
+        tmp = dst.parent / f".{dst.name}.accelkit-export"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _dcp_save(state, tmp, _streaming_planner(reader, sources, bar))
+            if dst.exists():
+                dst.rmdir()
+            os.rename(tmp, dst)
+            storage.fsync_dir(dst.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if bar is not None:
+                bar.close()
+    log.info("wrote %s: a torch.distributed.checkpoint of %s", dst, ", ".join(state))
+    return dst
+
+
+def _optimizer_object(reader: CheckpointReader, module: str, name: str | None) -> str:
+    """The optimizer of ``module`` to export: ``name``, or the checkpoint's only one."""
+    objects = reader.manifest.objects
+    found = [
+        n
+        for n, info in objects.items()
+        if info.get("type") == "optimizer" and info.get("model") in (module, None)
+    ]
+    if name is None:
+        if len(found) != 1:
+            raise CheckpointError(
+                f"{reader.directory}: module {module!r} has optimizers {found}; name the one "
+                "to export with --with-optimizer NAME"
+                if found
+                else f"{reader.directory}: no optimizer of module {module!r} to export"
+            )
+        return found[0]
+    if name not in found:
+        raise CheckpointError(
+            f"{reader.directory}: no optimizer {name!r} of module {module!r} (optimizers: {found})"
+        )
+    return name
+
+
+def _fqn_optimizer_state(
+    reader: CheckpointReader, name: str, params: set[str], placeholder: Any
+) -> dict[str, Any]:
+    """Optimizer ``name`` as ``get_optimizer_state_dict`` gives it for a plain model: per-
+    parameter state and each group's ``params`` by parameter name, settings as stored."""
+    from accelkit.checkpoint.codec import decode
+
+    info = reader.object_info(name, "optimizer")
+    tensors = reader.optimizer_entries(name)
+    scalars = info.get("scalar_state", {}) or {}
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in info.get("param_groups", []):
+        names = list(group.get("params", []))
+        foreign = [p for p in names if p not in params]
+        if foreign:
+            raise CheckpointError(
+                f"{reader.directory}: optimizer {name!r} holds parameters that are not the "
+                f"exported module's ({', '.join(foreign[:3])}); DCP's layout names each by the "
+                "module's parameter names"
+            )
+        for pname in names:
+            per_param = {key: placeholder(e) for key, e in tensors.get(pname, {}).items()}
+            per_param.update({k: decode(v) for k, v in scalars.get(pname, {}).items()})
+            if per_param:
+                state[pname] = per_param
+        settings = {k: decode(v) for k, v in group.items() if k != "params"}
+        groups.append({**settings, "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+def _streaming_planner(reader: CheckpointReader, sources: dict[int, Any], bar: Any) -> Any:
+    """DCP's default save planner, reading each placeholder's tensor only when DCP writes it."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class StreamingPlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            value = super().lookup_object(index)
+            entry = sources.get(id(value))
+            if entry is None:
+                return value
+            tensor = reader.read(entry)  # checksums verified before it returns
+            if bar is not None:
+                bar.update(tensor.numel() * tensor.element_size())
+            return tensor
+
+    return StreamingPlanner()
+
+
+def _dcp_save(state: dict[str, Any], directory: Path, planner: Any) -> None:
+    """One process's ``dcp.save``: one file per tensor (DCP keeps a file's tensors in memory
+    until the file is written, so one file per tensor bounds memory to one tensor)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    writer = dcp.FileSystemWriter(str(directory), single_file_per_rank=False, overwrite=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        try:
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as err:  # DCP wraps what failed (a BaseException)
+            causes = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+            for cause in causes:
+                if isinstance(cause, CheckpointError):
+                    raise cause from None
+            raise CheckpointError(f"{directory}: DCP could not write it: {causes}") from None
+
+
 def _module_object(reader: CheckpointReader, obj: str | None) -> str:
     """The module object to export: ``obj``, or the checkpoint's only one."""
     modules = [n for n, info in reader.manifest.objects.items() if info.get("type") == "module"]
@@ -1138,16 +1294,32 @@ def convert(
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
     config: str | os.PathLike | None = None,
+    optimizer: str | bool | None = None,
 ) -> Path:
     """Convert ``src`` to ``dst``: a portable checkpoint into one file, or any importable
     format into a portable checkpoint. ``to='mmengine'``: a portable checkpoint of accelkit's
     MMEngine adapter into the ``.pth`` plain MMEngine resumes (needs MMEngine). ``to='hf'``:
-    Hugging Face's sharded safetensors layout (:func:`export_hf`)."""
+    Hugging Face's sharded safetensors layout (:func:`export_hf`). ``to='dcp'``: a
+    torch.distributed.checkpoint directory, with ``optimizer``'s state on request
+    (:func:`export_dcp`)."""
     try:
         storage.resolve(src)
         portable = True
     except CheckpointError:
         portable = False
+    if optimizer and to != "dcp":
+        raise CheckpointError("--with-optimizer applies to --to dcp only")
+    if to == "dcp":
+        if not portable:
+            raise CheckpointError(
+                f"{src}: --to dcp exports a portable checkpoint, and this is not one"
+            )
+        given = [f for f, v in (("--format", fmt), ("--strip-prefix", strip_prefix)) if v]
+        if given:
+            raise CheckpointError(
+                f"--to dcp writes DCP's own format; {', '.join(given)} do not apply"
+            )
+        return export_dcp(src, dst, obj=obj, optimizer=optimizer, progress=progress)
     if to == "hf":
         if not portable:
             raise CheckpointError(
@@ -1186,7 +1358,7 @@ def convert(
 
 
 #: ``convert(..., to=NAME)``: the foreign training framework a portable checkpoint goes to
-EXPORT_TARGETS = ("mmengine", "hf")
+EXPORT_TARGETS = ("mmengine", "hf", "dcp")
 
 
 def _export_to(

@@ -13,7 +13,9 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         "torch.distributed.checkpoint directory or a Lightning/Fabric checkpoint into a "
         "portable checkpoint. Pickled inputs need --trust-pickle. With --to mmengine, a "
         "checkpoint written by AccelkitRunner/AccelkitStrategy becomes the .pth that plain "
-        "MMEngine's Runner resumes (weights, optimizer, schedulers, message hub, meta)."
+        "MMEngine's Runner resumes (weights, optimizer, schedulers, message hub, meta). With "
+        "--to dcp, a torch.distributed.checkpoint directory that dcp.load reads (the weights, "
+        "and with --with-optimizer the optimizer state set_state_dict restores)."
     )
     parser.add_argument("src", help="a portable checkpoint, or a file/directory to import")
     parser.add_argument("dst", help="the file to export to, or the checkpoint directory to create")
@@ -30,11 +32,21 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--to",
-        choices=("mmengine", "hf"),
+        choices=("mmengine", "hf", "dcp"),
         default=None,
         help="write a training framework's own checkpoint instead (mmengine: the .pth "
         "Runner.resume loads, a pickle as MMEngine's own; hf: DST is a directory of sharded "
-        "safetensors with an index, as save_pretrained writes)",
+        "safetensors with an index, as save_pretrained writes; dcp: DST is a "
+        "torch.distributed.checkpoint directory holding {'model': weights}, streamed)",
+    )
+    parser.add_argument(
+        "--with-optimizer",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="NAME",
+        help="--to dcp: add the optimizer's state under 'optim', keyed by parameter name as "
+        "get_state_dict gives it (NAME: which optimizer, where the checkpoint holds several)",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -99,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             strip_prefix=args.strip_prefix,
             progress=args.progress,
             to=args.to,
+            optimizer=args.with_optimizer,
             **_hf_options(args),
         )
     except CheckpointError as err:
