@@ -703,3 +703,104 @@ def test_loss_scale_is_refused_where_no_grad_scaler_runs() -> None:
         apply_loss_scale(library_scaled, settings)
     _, dynamic = read_optim_wrapper_cfg(_amp(loss_scale="dynamic"))
     apply_loss_scale(library_scaled, dynamic)  # 'dynamic': the library's own dynamic scaling
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_an_amp_dtype_accelkit_does_not_run_is_refused(dtype: str) -> None:
+    """MMEngine's AmpOptimWrapper also takes float32/float64 (autocast to that dtype); accelkit
+    would have trained it as fp16. Refused, naming the wrapper to use."""
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    with pytest.raises(ConfigError, match="'OptimWrapper' instead"):
+        read_optim_wrapper_cfg(_amp(dtype=dtype))
+    for accepted, precision in (("float16", "16-mixed"), ("bfloat16", "bf16-mixed")):
+        assert read_optim_wrapper_cfg(_amp(dtype=accepted))[1].precision == precision
+
+
+def test_clipping_that_only_the_backend_config_asks_for_is_refused() -> None:
+    """MMEngine's clip_grad decides clipping: a backend whose own config clips (a native DeepSpeed
+    config without gradient_clipping clips at 1.0) is refused unless optim_wrapper agrees."""
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._bridge import check_clipping
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    sgd = dict(optimizer=dict(type="SGD", lr=0.1))
+    _, no_clip = read_optim_wrapper_cfg(sgd)
+    _, clip_at_1 = read_optim_wrapper_cfg(dict(sgd, clip_grad=dict(max_norm=1.0)))
+    _, clip_at_2 = read_optim_wrapper_cfg(dict(sgd, clip_grad=dict(max_norm=2.0)))
+    clips_at_1 = SimpleNamespace(name="deepspeed", max_grad_norm=1.0)
+    with pytest.raises(ConfigError, match=r"optim_wrapper has no clip_grad.*'gradient_clipping'"):
+        check_clipping(clips_at_1, no_clip)
+    with pytest.raises(ConfigError, match=r"clips at max_norm=2\.0"):
+        check_clipping(clips_at_1, clip_at_2)
+    check_clipping(clips_at_1, clip_at_1)
+    check_clipping(SimpleNamespace(name="deepspeed", max_grad_norm=None), no_clip)
+
+
+def _eval_runner(runner_class: type, tmp_path: Path, model: object) -> object:
+    import torch
+
+    return runner_class(
+        model=model,
+        work_dir=str(tmp_path),
+        val_dataloader=dict(
+            dataset=[dict(x=torch.ones(4), y=0)] * 4,
+            batch_size=2,
+            sampler=dict(type="DefaultSampler", shuffle=False),
+            collate_fn=dict(type="default_collate"),
+        ),
+        val_cfg=dict(),
+        val_evaluator=dict(type="ToyLossMetric"),
+        default_hooks=dict(checkpoint=None),
+        log_level="WARNING",
+    )
+
+
+def test_val_without_training_does_not_initialise_weights_as_in_mmengine(tmp_path: Path) -> None:
+    """MMEngine's ``val()`` evaluates the model as built (``init_weights`` runs in ``train()``
+    only): a model with a random ``init_cfg`` keeps its weights under both Runners."""
+    import functools
+
+    import torch
+    from mmengine.evaluator import BaseMetric
+    from mmengine.model import BaseModel
+    from mmengine.registry import METRICS
+    from mmengine.runner import Runner
+
+    from accelkit.integrations.mmengine import AccelkitRunner
+
+    @METRICS.register_module(name="ToyLossMetric", force=True)
+    class ToyLossMetric(BaseMetric):
+        def process(self, data_batch, data_samples):
+            self.results.append(len(data_samples))
+
+        def compute_metrics(self, results):
+            return {"sum": sum(results)}
+
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__(init_cfg=dict(type="Normal", layer="Linear", std=10.0))
+            self.net = torch.nn.Linear(4, 2)
+
+        def forward(self, x, y, mode="tensor"):
+            return self.net(x)
+
+    weights = {}
+    for name, runner_class in (
+        ("mmengine", Runner),
+        ("accelkit", functools.partial(AccelkitRunner, accelkit=dict(backend="cpu"))),
+    ):
+        torch.manual_seed(0)
+        model = Net()
+        built = model.net.weight.detach().clone()
+        _eval_runner(runner_class, tmp_path / name, model).val()
+        weights[name] = (built, model.net.weight.detach().clone())
+    for name, (built, after) in weights.items():
+        assert torch.equal(built, after), f"{name}: val() changed the weights"
+    # the check can fail: the init_cfg does change weights when it runs
+    torch.manual_seed(0)
+    model = Net()
+    before = model.net.weight.detach().clone()
+    model.init_weights()
+    assert not torch.equal(before, model.net.weight)

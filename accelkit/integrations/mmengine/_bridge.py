@@ -88,6 +88,29 @@ def apply_loss_scale(accel: accelkit.Accelerator, settings: TrainingSettings) ->
     log.info("fp16 loss scaler from AmpOptimWrapper loss_scale: %s", settings.grad_scaler)
 
 
+def check_clipping(accel: accelkit.Accelerator, settings: TrainingSettings) -> None:
+    """Clipping comes from ``optim_wrapper.clip_grad`` alone, as in MMEngine.
+
+    A backend's own config may clip by itself: a native DeepSpeed config without
+    ``gradient_clipping`` keeps DeepSpeed's default, 1.0. Silently clipping a run whose MMEngine
+    config does not clip (or clips at another norm) would change its training; refuse it.
+    """
+    if accel.max_grad_norm == settings.max_grad_norm:
+        return
+    wanted = (
+        "has no clip_grad"
+        if settings.max_grad_norm is None
+        else f"clips at max_norm={settings.max_grad_norm}"
+    )
+    raise ConfigError(
+        f"backend {accel.name!r} would clip gradients at max_grad_norm={accel.max_grad_norm} "
+        f"(its config says so, or its library's default does), but optim_wrapper {wanted}: "
+        "MMEngine's clip_grad decides. Set optim_wrapper=dict(clip_grad=dict(max_norm=X)), or "
+        "turn clipping off in the backend config (a native DeepSpeed config: "
+        "'gradient_clipping': 0.0)"
+    )
+
+
 class Bridge:
     """One Accelerator and the model/optimizer it set up, seen from MMEngine."""
 
@@ -115,6 +138,7 @@ class Bridge:
             )
             kwargs = accelerator_kwargs(self.adapter, settings, wrapper_options)
             accel = accelkit.get(self.adapter.backend, **kwargs)
+            check_clipping(accel, settings)
             apply_loss_scale(accel, settings)
             self.accelerator = accel
             log.info("MMEngine on accelkit: %r", self.accelerator)

@@ -29,6 +29,8 @@ FROM_OPTIM_WRAPPER = {
     "max_grad_value": "optim_wrapper=dict(clip_grad=dict(type='value', clip_value=X))",
 }
 _WRAPPER_TYPES = ("OptimWrapper", "AmpOptimWrapper", "AccelkitOptimWrapper")
+#: ``AmpOptimWrapper(dtype=...)`` values accelkit runs (None: MMEngine's default, float16)
+_AMP_DTYPES = (None, "float16", "bfloat16", torch.float16, torch.bfloat16)
 #: the arguments of ``torch.amp.GradScaler`` that a ``loss_scale`` dict may set
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 #: what MMEngine's own DDP wrapping passes when the config names no wrapper
@@ -199,6 +201,12 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
     if wrapper_type == "AmpOptimWrapper":
         dtype = cfg.pop("dtype", None)
         cfg.pop("use_fsdp", None)
+        if dtype not in _AMP_DTYPES:
+            raise ConfigError(
+                f"AmpOptimWrapper dtype={dtype!r}: accelkit runs AMP in 'float16' (16-mixed, the "
+                "default) or 'bfloat16' (bf16-mixed). MMEngine's autocast to float32 or float64 "
+                "computes in that dtype, so train with optim_wrapper type 'OptimWrapper' instead"
+            )
         is_bf16 = dtype in ("bfloat16", torch.bfloat16)
         settings.precision = "bf16-mixed" if is_bf16 else "16-mixed"
         scaler, static = read_loss_scale(cfg.pop("loss_scale", "dynamic"))

@@ -96,6 +96,12 @@ class AccelkitRunner(Runner):
             return
         self._weights_initialised = True
         if self._bridge.runs_init_weights:
+            accel = self._bridge.accel
+            if not accel.capabilities.sharded:
+                # where MMEngine's Runner has it by now (wrap_model moved it): a random
+                # init_cfg then draws from the same device's generator. In place, so the
+                # optimizer already built keeps its parameters.
+                self.model.to(accel.device)
             super()._init_model_weights()
 
     def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
@@ -106,7 +112,8 @@ class AccelkitRunner(Runner):
                     "or build a new Runner to train"
                 )
             return
-        self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
+        if optim_wrapper is not None:  # MMEngine's val()/test() never initialise
+            self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
         self.model = self._bridge.setup(self.model, optim_wrapper)
         self._bridge.check_hooks(self._hooks, self.model)  # before before_run builds EMAHook's copy
 
