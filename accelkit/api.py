@@ -7,7 +7,7 @@ from typing import Any
 
 from accelkit import registry
 from accelkit.accelerator import Accelerator
-from accelkit.backend import Settings
+from accelkit.backend import Settings, check_precision_supported
 from accelkit.errors import ConfigError
 from accelkit.log import configure
 from accelkit.seed import seed_everything
@@ -31,8 +31,9 @@ def get(
         name: a registered backend (``accelkit env`` lists them), or ``"auto"``.
         config: backend options as a dict, a dataclass, a YAML/JSON path, or a backend's native
             config (a DeepSpeed JSON dict is accepted as is).
-        precision: ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true`` or ``16-true``;
-            None takes the backend's native config, else ``32-true``.
+        precision: ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``, or
+            ``fp8-mixed`` (float8 Linear layers through torchao; cpu, cuda, ddp, fsdp); None
+            takes the backend's native config, else ``32-true``.
         accumulation_steps: micro-batches per optimizer step.
         max_grad_norm: clip the total gradient norm to this inside ``step()``.
         seed: seed everything (and dataloader workers) before anything is built.
@@ -69,6 +70,11 @@ def get(
         max_grad_value=max_grad_value,
     )
     settings = backend_cls.resolve_settings(name, backend_options, settings)
+    # again here: a backend's own resolve_settings (one reconciling a native config) may not
+    # check, and a precision it does not list must not run as something else
+    check_precision_supported(
+        name, settings.precision or "32-true", backend_cls.capabilities_for(backend_options)
+    )
     if seed is not None:
         seed_everything(seed)
     configure()

@@ -62,6 +62,16 @@ class Capabilities:
     portable_checkpoint: bool = True
 
 
+def check_precision_supported(name: str, precision: str, capabilities: Capabilities) -> None:
+    """Refuse a precision the backend does not list in ``capabilities.precisions``."""
+    supported = capabilities.precisions
+    if precision not in supported:
+        raise ConfigError(
+            f"backend {name!r} does not support precision {precision!r}; "
+            f"supported: {', '.join(supported)}"
+        )
+
+
 @dataclass(frozen=True)
 class Settings:
     """The training semantics shared by every backend.
@@ -181,12 +191,7 @@ class Backend:
         32-true. Backends with a native config also reconcile accumulation and clipping here
         (a disagreement is an error)."""
         resolved = settings.precision or "32-true"
-        supported = cls.capabilities_for(options).precisions
-        if resolved not in supported:
-            raise ConfigError(
-                f"backend {name!r} does not support precision {resolved!r}; "
-                f"supported: {', '.join(supported)}"
-            )
+        check_precision_supported(name, resolved, cls.capabilities_for(options))
         return dataclasses.replace(settings, precision=resolved)
 
     def __init__(self, name: str, options: Any, settings: Settings) -> None:

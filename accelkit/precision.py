@@ -16,7 +16,15 @@ import torch
 
 from accelkit.errors import ConfigError
 
+#: the precisions every backend maps (``Capabilities.precisions``' default)
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+#: float8 Linear layers through torchao, the rest as bf16-mixed (accelkit.float8); offered by
+#: the backends that list it (cpu, cuda, mps refuses it at get(), ddp, fsdp)
+FP8_MIXED = "fp8-mixed"
+#: what the torch-native backends accept
+NATIVE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, FP8_MIXED)
+#: every precision string accelkit knows; a backend that does not list one refuses it
+KNOWN_PRECISIONS: tuple[str, ...] = NATIVE_PRECISIONS
 _ALIASES = {
     "32": "32-true",
     "fp32": "32-true",
@@ -32,17 +40,18 @@ def normalize_precision(precision: str | int | None) -> str | None:
         return None
     key = str(precision)
     key = _ALIASES.get(key, key)
-    if key not in PRECISIONS:
+    if key not in KNOWN_PRECISIONS:
         raise ConfigError(
-            f"unknown precision {precision!r}. Valid precisions: {', '.join(PRECISIONS)} "
+            f"unknown precision {precision!r}. Valid precisions: {', '.join(KNOWN_PRECISIONS)} "
             f"(aliases: {', '.join(sorted(_ALIASES))})"
         )
     return key
 
 
 def low_dtype(precision: str) -> torch.dtype:
-    """The 16-bit dtype of a precision string: bfloat16 for ``bf16-*``, else float16."""
-    return torch.bfloat16 if precision.startswith("bf16") else torch.float16
+    """The 16-bit dtype of a precision string: bfloat16 for ``bf16-*`` and ``fp8-mixed`` (whose
+    layers that stay out of float8 run under bf16 autocast), else float16."""
+    return torch.bfloat16 if precision.startswith(("bf16", "fp8")) else torch.float16
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,12 @@ NATIVE_DTYPES: dict[str, DtypeRow] = {
     ),
     "bf16-true": DtypeRow("bf16", "bf16", "none", "bf16"),
     "16-true": DtypeRow("fp16", "fp16", "none", "fp16"),
+    "fp8-mixed": DtypeRow(
+        "fp32",
+        "fp8 for the eligible nn.Linear layers (torchao Float8Linear); bf16 (autocast) elsewhere",
+        "none (params are fp32)",
+        "fp32",
+    ),
 }
 
 
@@ -253,17 +268,46 @@ class BoundaryCastPrecision(Precision):
         return cast_floats(data, torch.float32) if self.cast_output else data
 
 
-def native_precision(precision: str, device_type: str) -> Precision:
-    """The policy the torch-native backends use for ``precision`` on ``device_type``."""
+class Float8MixedPrecision(MixedPrecision):
+    """``fp8-mixed``: ``convert_module`` swaps the eligible Linear layers for torchao's
+    ``Float8Linear`` (see :mod:`accelkit.float8`); the forward runs under bf16 autocast, so the
+    other layers compute as under ``bf16-mixed``. No loss scaling: float8 scales each tensor."""
+
+    def __init__(self, device_type: str, config: Any) -> None:
+        super().__init__(FP8_MIXED, device_type)
+        self.float8 = config
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        from accelkit.float8 import convert_to_float8
+
+        return convert_to_float8(module, self.float8)
+
+
+def native_precision(precision: str, device_type: str, options: Any = None) -> Precision:
+    """The policy the torch-native backends use for ``precision`` on ``device_type``; ``options``
+    (the backend's) carry the ``fp8_*`` settings of ``fp8-mixed``."""
     if precision == "32-true":
         return Precision()
+    if precision == FP8_MIXED:
+        from accelkit.float8 import float8_config
+
+        return Float8MixedPrecision(device_type, float8_config("fp8-mixed", precision, options))
     if precision.endswith("-mixed"):
         return MixedPrecision(precision, device_type)
     return HalfPrecision(precision)
 
 
-def check_device_supports(precision: str, device: torch.device) -> None:
-    """Fail at ``get()`` when the device cannot run ``precision`` at all (not inside a kernel)."""
+def check_device_supports(
+    precision: str, device: torch.device, options: Any = None, owner: str = "backend"
+) -> None:
+    """Fail at ``get()`` when the device cannot run ``precision`` at all (not inside a kernel);
+    ``options`` (the backend's) carry the ``fp8_*`` settings, refused with another precision."""
+    if options is not None or precision == FP8_MIXED:
+        from accelkit.float8 import check_device_supports_float8, float8_config
+
+        config = float8_config(owner, precision, options)
+        if config is not None:
+            check_device_supports_float8(device, config.recipe)
     if (
         device.type == "cuda"
         and precision.startswith("bf16")

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # accelkit's GPU tests and benchmarks, in one call on a CUDA machine whose image already has torch.
-# Packages the image lacks (deepspeed and its pure-Python needs) travel as wheels in .whl/.
+# Packages the image lacks (deepspeed, mmengine and their pure-Python needs) travel as wheels in
+# .whl/: mmengine needs addict, yapf (which needs platformdirs) and termcolor beside the image's own.
 #
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
 #        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
-#        [oom] [pretrainedgpu]
+#        [oom] [pretrainedgpu] [mmamp] [fp8]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -180,6 +181,26 @@ PY
       part pretrainedgpu
       timeout 280 python3 bench/pretrained_gpu.py --timeout 120 --out "$OUTDIR/pretrained-gpu.json" > "$OUTDIR/pretrained-gpu.log" 2>&1
       tail -12 "$OUTDIR/pretrained-gpu.log" ;;
+    mmamp)
+      # MMEngine's AmpOptimWrapper (bf16, fp16, loss_scale) under plain MMEngine, AccelkitRunner on
+      # cuda and on deepspeed_stage_2 (tests/test_mmengine_gpu.py); about 1.5 minutes expected
+      part mmamp
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 200 tests/test_mmengine_gpu.py > "$OUTDIR/mmamp-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/mmamp-tests.log" | tail -20
+      cut -c1-300 "$OUTDIR/mmengine-amp-gpu.jsonl" 2>/dev/null ;;
+    fp8)
+      # precision="fp8-mixed" (torchao float8, wheel in .whl/): the GPU tests of tests/test_fp8.py
+      # (300 steps fp8 vs bf16 on cuda, fsdp world size 1 with float8 all-gather), then
+      # `accelkit bench` bf16-mixed against fp8-mixed on gpt-2048, compiled, interleaved;
+      # about 4 minutes expected (tests ~1.5, bench ~2.5 with compilation)
+      part fp8
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 240 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 220 tests/test_fp8.py > "$OUTDIR/fp8-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUTDIR/fp8-tests.log" | tail -10
+      cut -c1-400 "$OUTDIR/fp8-gpu.jsonl" 2>/dev/null
+      timeout 330 python3 -m accelkit.cli bench --model gpt-2048 --precision bf16-mixed,fp8-mixed \
+        --backends cuda+compile --batch 8 --steps 10 --warmup 5 --repeats 3 --no-baseline --no-progress \
+        --timeout 300 --out "$OUTDIR/h200-fp8-gpt2048.json" > "$OUTDIR/bench-fp8.log" 2>&1
+      tail -12 "$OUTDIR/bench-fp8.log" ;;
     *) echo "unknown part $p" ;;
   esac
 done

@@ -72,6 +72,97 @@ def make_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tenso
     return _tokens(SMALL, batch_size, generator)
 
 
+#: (width, hidden, layers) of MeshNet: the model of the mesh estimates' hand counts
+MESH_NET = (64, 256, 2)
+
+
+class MeshBlock(nn.Module):
+    """An MLP block whose Linear names the tensor-parallel auto plan shards (up column-wise,
+    down row-wise)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(width, hidden)
+        self.down_proj = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class MeshNet(nn.Module):
+    """Blocks of MeshBlock and a head the plan leaves whole; the forward returns the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width, hidden, layers = MESH_NET
+        self.blocks = nn.ModuleList(MeshBlock(width, hidden) for _ in range(layers))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def build_mesh_net() -> nn.Module:
+    return MeshNet()
+
+
+def make_mesh_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor]:
+    return (torch.randn(batch_size, MESH_NET[0], generator=generator),)
+
+
+def mesh_shard_bytes(shapes: list[tuple[int, int, int]]) -> list[dict[str, int]]:
+    """:func:`mesh_share` on each ``(replicate, shard, tp)`` mesh, in one process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = [mesh_share(*shape) for shape in shapes]
+    dist.destroy_process_group()
+    return out
+
+
+def mesh_share(replicate: int, shard: int, tp: int) -> dict[str, int]:
+    """A rank's share under raw FSDP2 x TP on a (replicate, shard, tp) mesh (gloo, fp32) after
+    one AdamW step: bytes of its local parameter, gradient and optimizer-state pieces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (replicate, shard, tp), mesh_dim_names=("r", "s", "t"))
+    torch.manual_seed(0)
+    model = MeshNet()
+    if tp > 1:
+        plan: dict[str, object] = {}
+        for i in range(len(model.blocks)):
+            plan[f"blocks.{i}.up_proj"] = ColwiseParallel()
+            plan[f"blocks.{i}.down_proj"] = RowwiseParallel()
+        parallelize_module(model, mesh["t"], plan)
+    dp_mesh = mesh["r", "s"] if replicate > 1 else mesh["s"]
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(*make_mesh_batch(2, torch.Generator().manual_seed(0))).backward()
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    grads = sum(nbytes(local(p.grad)) for p in model.parameters())
+    optimizer.step()
+    states = [local(v) for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    out = {
+        "params": sum(nbytes(local(p)) for p in model.parameters()),
+        "grads": grads,
+        "optimizer": sum(nbytes(t) for t in states),
+    }
+    return out
+
+
 def build_gpt2() -> tuple[nn.Module, object]:
     """GPT-2 small with its batch factory (the ``(model, make_batch)`` form of a factory)."""
     return Net(GPT2), lambda b, g: _tokens(GPT2, b, g)

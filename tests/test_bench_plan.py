@@ -219,6 +219,106 @@ def test_deepspeed_zero2_estimate_matches_raw_deepspeed():
         assert e[key] == pytest.approx(measured[key], rel=0.005), key
 
 
+# ---- fsdp on an N-D mesh: hand counts on MeshNet ---------------------------------------------------
+@pytest.fixture(scope="module")
+def mesh_net() -> tuple[Any, dict[str, Any]]:
+    with torch.device("meta"):
+        workload = get_workload(
+            "bench_plan_reference:build_mesh_net", "bench_plan_reference:make_mesh_batch"
+        )
+    return workload, model_stats(workload, 4)
+
+
+def _mesh_net_counts(tp: int) -> dict[str, float]:
+    """MeshNet's parameters by hand: an MLP block is up (W x H + H) and down (H x W + W); the
+    auto plan shards up's weight and bias and down's weight ``tp`` ways; the head (W x W + W)
+    stays whole."""
+    from bench_plan_reference import MESH_NET
+
+    W, H, L = MESH_NET
+    block = (W * H + H) + (H * W + W)
+    cut = ((W * H + H) + H * W) * (tp - 1) / tp  # what tp takes off one rank's block
+    root = W * W + W
+    return {"P": L * block + root, "local": L * (block - cut) + root, "block": block - cut,
+            "root": root}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (4, 1, 1)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_fsdp_mesh_estimate_matches_a_hand_count(mesh_net, shape):
+    """fp32 AdamW: each rank holds the plan's layers / tp, and FSDP2 shards that over dp_shard
+    only (replicas hold the same): params and grads 4 bytes, AdamW 8, per element held."""
+    _, stats = mesh_net
+    R, S, T = shape
+    e = estimate(
+        "fsdp",
+        stats,
+        world_size=R * S * T,
+        backend_options={"dp_replicate": R, "dp_shard": S, "tp": T},
+    )
+    hand = _mesh_net_counts(T)
+    assert (e["params"], e["grads"], e["optimizer"]) == (
+        int(hand["local"] * 4 // S),
+        int(hand["local"] * 4 // S),
+        int(2 * hand["local"] * 4 // S),
+    )
+    assert e["world_size"] == R * S * T and e["mesh"] == [R, S, T]
+    # the working set: the root and two blocks gathered, the root's and a block's gradients
+    # unsharded, on top of the traced step (its tensor-parallel activations / tp)
+    gathered = hand["root"] * 4 + 2 * hand["block"] * 4
+    unsharded = (hand["root"] + hand["block"]) * 4
+    traced = stats["step_peak"]("fp32", hand["local"] / hand["P"] / S, 0.0, tp=T)
+    assert e["activations"] == int(traced + gathered + unsharded)
+
+
+def test_the_tracer_divides_what_tensor_parallelism_shards(mesh_net):
+    """The tp-tagged bytes at their peak (the end of forward) are, per block, up_proj's output
+    and GELU's output (both saved for backward): batch x H fp32 values each."""
+    from bench_plan_reference import MESH_NET
+
+    from accelkit.benchmark.memory import trace_step
+
+    workload, stats = mesh_net
+    _, H, L = MESH_NET
+    timeline = trace_step(workload, 4, "fp32", torch.bfloat16, False)
+    assert max(point[3] for point in timeline) == L * 2 * 4 * H * 4
+    assert stats["step_peak"]("fp32", 0.0, 0.0, tp=2) < stats["step_peak"]("fp32", 0.0, 0.0)
+    # a model the plan does not touch: nothing is tagged, tp changes nothing
+    mlp = model_stats(get_workload("mlp"), 4)
+    assert mlp["tp_params"] == 0 and mlp["tp_divisor"] == 0
+    assert mlp["step_peak"]("fp32", 0.0, 0.0, tp=4) == mlp["step_peak"]("fp32", 0.0, 0.0)
+
+
+def test_fsdp_mesh_estimate_refuses_a_mesh_that_is_not_the_world(mesh_net):
+    _, stats = mesh_net
+    with pytest.raises(accelkit.ConfigError, match="has 6 ranks, the world has 4"):
+        estimate("fsdp", stats, world_size=4, backend_options={"dp_shard": 3, "tp": 2})
+
+
+@pytest.mark.slow
+def test_fsdp_mesh_estimate_matches_raw_fsdp2_x_tp():
+    """The state bytes against raw parallelize_module + fully_shard on 4 gloo ranks (FSDP2
+    pads each shard's first dimension: within 1%, as for plain FSDP above)."""
+    with torch.device("meta"):
+        workload = get_workload(
+            "bench_plan_reference:build_mesh_net", "bench_plan_reference:make_mesh_batch"
+        )
+    stats = model_stats(workload, 2)
+    shapes = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]
+    ranks = run_ranks(
+        "bench_plan_reference:mesh_shard_bytes", {"shapes": shapes}, nproc=4, timeout=240
+    )
+    for index, shape in enumerate(shapes):
+        options = dict(zip(("dp_replicate", "dp_shard", "tp"), shape))
+        e = estimate("fsdp", stats, world_size=4, backend_options=options)
+        for measured in ranks:
+            for key in ("params", "grads", "optimizer"):
+                assert e[key] == pytest.approx(measured[index][key], rel=0.01), (shape, key)
+
+
 # ---- the plan command ---------------------------------------------------------------------------------
 def plan_json(capsys, *args: str) -> dict[str, Any]:
     assert cli_main(["plan", *args, "--json"]) == 0
@@ -267,6 +367,53 @@ def test_plan_picks_sharding_when_replicas_do_not_fit(capsys):
     assert plan["recommendation"] == "fsdp"
     assert plan["reason"].startswith("fsdp: fits")
     assert "Faster ones that do not fit: ddp." in plan["reason"]
+
+
+def test_plan_mesh_rows_cover_every_mesh_of_the_gpus_and_say_which_fit(capsys):
+    args = ["bench_plan_reference:build_mesh_net", "--batch-factory",
+            "bench_plan_reference:make_mesh_batch", "--precision", "32-true", "--batch", "4"]  # fmt: skip
+    plan = plan_json(capsys, *args, "--gpus", "4", "--backends", "fsdp", "--mesh")
+    rows = {c["label"]: c for c in plan["candidates"]}
+    # every (dp_replicate, dp_shard, tp) with product 4, but plain fsdp's 1x4x1 (the fsdp row)
+    meshes = {"1x1x4", "1x2x2", "2x1x2", "2x2x1", "4x1x1"}
+    assert set(rows) == {"fsdp", "fsdp cpu_offload"} | {f"fsdp mesh {m}" for m in meshes}
+    for m in meshes:
+        R, S, T = map(int, m.split("x"))
+        assert rows[f"fsdp mesh {m}"]["options"] == {
+            "dp_replicate": R, "dp_shard": S, "tp": T, **({"tp_plan": "auto"} if T > 1 else {})
+        }  # fmt: skip
+    # a budget between two rows' peaks: the smaller fits, the larger does not
+    peaks = sorted(c["estimate"]["peak"] for c in rows.values())
+    budget = (peaks[1] + peaks[-1]) / 2
+    plan = plan_json(
+        capsys, *args, "--gpus", "4", "--backends", "fsdp", "--mesh",
+        "--gpu-memory", str(int(budget / 0.9)),
+    )  # fmt: skip
+    for c in plan["candidates"]:
+        assert c["fits"] == (c["estimate"]["peak"] <= int(budget / 0.9) * 0.9), c["label"]
+    assert any(c["fits"] for c in plan["candidates"])
+    assert any(not c["fits"] for c in plan["candidates"])
+    # the text table shows them too
+    assert cli_main(["plan", *args, "--gpus", "4", "--backends", "fsdp", "--mesh"]) == 0
+    assert "| fsdp mesh 1x2x2 | 4 |" in capsys.readouterr().out
+
+
+def test_plan_mesh_leaves_out_what_cannot_be_split(capsys):
+    args = ["bench_plan_reference:build_mesh_net", "--batch-factory",
+            "bench_plan_reference:make_mesh_batch", "--backends", "fsdp"]  # fmt: skip
+    # without --mesh: no mesh rows
+    assert {c["label"] for c in plan_json(capsys, *args, "--gpus", "4")["candidates"]} == {
+        "fsdp",
+        "fsdp cpu_offload",
+    }
+    # 6 GPUs: tp=3 and tp=6 do not divide the 256 hidden features, tp=2 does
+    labels = {c["label"] for c in plan_json(capsys, *args, "--gpus", "6", "--mesh")["candidates"]}
+    assert "fsdp mesh 1x3x2" in labels and "fsdp mesh 3x2x1" in labels
+    assert not any(label.endswith(("x3", "x6")) for label in labels), labels
+    # a model the auto plan finds nothing in: data-parallel meshes only
+    labels = {c["label"] for c in plan_json(capsys, "mlp", "--gpus", "4", "--mesh")["candidates"]}
+    assert {"fsdp mesh 2x2x1", "fsdp mesh 4x1x1"} <= labels
+    assert not any(label.startswith("fsdp mesh") and not label.endswith("x1") for label in labels)
 
 
 def test_plan_user_model_and_text_output(capsys):
@@ -359,6 +506,38 @@ def test_parse_backends():
         runner.parse_backends("cuda+fast")
     with pytest.raises(ValueError, match="empty"):
         runner.parse_backends(" , ")
+
+
+def test_bench_options_reach_the_rows_they_name():
+    from accelkit.cli.bench import split_options
+
+    assert runner.parse_option("fsdp:tp=2") == ("fsdp", "tp", 2)
+    assert runner.parse_option("tp_plan=auto") == (None, "tp_plan", "auto")
+    assert runner.parse_option('fsdp:wrap_policy=["Block"]') == ("fsdp", "wrap_policy", ["Block"])
+    common, per_backend = split_options(["timeout=60", "fsdp:tp=2", "fsdp:tp_plan=auto"])
+    assert common == {"timeout": 60} and per_backend == {"fsdp": {"tp": 2, "tp_plan": "auto"}}
+    config = runner.BenchConfig(
+        "mlp", "32-true", 2, 1, 0, 1, nproc=4, options=common, backend_options=per_backend
+    )
+    rows = {r.backend: r for r in runner.make_rows(config, "ddp,fsdp")}
+    assert rows["ddp"].options == {"timeout": 60} and rows["ddp"].label == "ddp"
+    assert rows["fsdp"].options == {"timeout": 60, "tp": 2, "tp_plan": "auto"}
+    assert rows["fsdp"].label == "fsdp [tp=2, tp_plan=auto]"
+    assert rows["fsdp"].status == "pending"
+
+
+def test_bench_refuses_bad_options_before_running(capsys):
+    for bad in ("tp", "fsdp:=2"):
+        assert cli_main(["bench", "--model", "mlp", "--option", bad]) == 2
+        assert "expected KEY=VALUE or BACKEND:KEY=VALUE" in capsys.readouterr().err
+    assert cli_main(["bench", "--model", "mlp", "--backends", "cpu", "--option", "fdsp:tp=2"]) == 2
+    assert "names backend(s) 'fdsp', which --backends does not run" in capsys.readouterr().err
+    # an option the backend does not have: that row is unavailable, no process starts
+    config = runner.BenchConfig(
+        "mlp", "32-true", 2, 1, 0, 1, nproc=2, backend_options={"fsdp": {"tpp": 2}}
+    )
+    (row,) = [r for r in runner.make_rows(config, "fsdp") if r.backend]
+    assert row.status == "unavailable" and "tpp" in row.reason and row.process is None
 
 
 def test_raw_compile_is_the_baseline_of_compiled_rows():
@@ -583,6 +762,24 @@ def test_bench_cpu_and_ddp_with_unavailable_backends(tmp_path):
     assert ds["status"] == "unavailable" and "'accelkit-deepspeed'" in ds["reason"]
     assert "-m pip install -e" in ds["reason"]  # an unknown name is refused before the run
     assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_fsdp_on_a_2x2_mesh_with_tensor_parallelism(tmp_path):
+    """``--option fsdp:...`` builds the mesh (the worker's meta build goes through TP); the
+    tp ranks of a replica share a batch, so samples/s counts the 2 data-parallel ranks."""
+    doc = run_bench(
+        tmp_path,
+        "--model", "mesh_workers:bench_model", "--backends", "fsdp", "--nproc", "4",
+        "--option", "fsdp:dp_shard=2", "--option", "fsdp:tp=2", "--option", "fsdp:tp_plan=auto",
+        "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-baseline", "--no-progress",
+    )  # fmt: skip
+    (row,) = doc["results"]
+    check_ok_row(row, repeats=1, world=4)
+    assert row["label"] == "fsdp [dp_shard=2, tp=2, tp_plan=auto]"
+    assert row["options"] == {"dp_shard": 2, "tp": 2, "tp_plan": "auto"}
+    batch = doc["config"]["batch"]
+    assert row["samples_per_s"] == pytest.approx(batch * 2 / (row["step_ms"]["median"] / 1e3))
 
 
 @pytest.mark.slow

@@ -86,6 +86,22 @@ def test_env_json_lists_native_backends_with_status():
     native = [p for p in report["plugins"] if p["name"] == "native"]
     assert native and native[0]["status"] == "loaded"
     assert native[0]["libraries"]["torch"] == torch.__version__
+    # what fsdp's N-D mesh can use in this torch (2.13: all of it)
+    mesh = report["fsdp_mesh"]
+    assert mesh["options"].startswith("dp_replicate, dp_shard, tp, tp_plan")
+    assert mesh["tp"].startswith("available (parallelize_module")
+    assert mesh["HSDP"].startswith("available") and mesh["device mesh"].startswith("available")
+
+
+def test_env_says_when_this_torch_cannot_build_a_mesh(monkeypatch):
+    import torch
+
+    from accelkit.backends.mesh import support_report
+
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    report = support_report()
+    assert report["tp"] == "unavailable: this torch is built without torch.distributed"
+    assert report["HSDP"].startswith("unavailable")
 
 
 def test_env_text_shows_every_section():
@@ -93,6 +109,7 @@ def test_env_text_shows_every_section():
     assert out.returncode == 0, out.stderr
     for heading in ("versions", "devices", "plugins", "backends"):
         assert f"\n{heading}\n" in f"\n{out.stdout}", out.stdout
+    assert "\nfsdp mesh (N-D parallelism" in out.stdout
     assert "torch" in out.stdout and "cpu" in out.stdout
 
 

@@ -709,14 +709,15 @@ def test_options_are_validated():
 
 def test_capabilities_and_dtype_table():
     from accelkit.api import describe
-    from accelkit.precision import PRECISIONS
+    from accelkit.precision import NATIVE_PRECISIONS
 
     info = describe("fsdp")
     caps = info["capabilities"]
     assert caps["no_sync"] and not caps["no_sync_by_default"]
     assert caps["sharded"] and caps["distributed"] and caps["manual_clip"]
     assert caps["init_context"] == "meta"
-    assert sorted(info["dtypes"]) == sorted(PRECISIONS)
+    # one row per precision it offers: the five, and fp8-mixed
+    assert sorted(info["dtypes"]) == sorted(caps["precisions"]) == sorted(NATIVE_PRECISIONS)
     assert info["dtypes"]["bf16-mixed"]["reduce"].startswith("fp32")
 
 

@@ -214,10 +214,10 @@ def test_mps_without_a_device_fails_at_get():
 
 def test_unknown_precision_lists_the_valid_ones():
     with pytest.raises(accelkit.ConfigError) as info:
-        accelkit.get("cpu", precision="fp8-mixed")
+        accelkit.get("cpu", precision="fp4-mixed")
     message = str(info.value)
-    assert "fp8-mixed" in message
-    for name in PRECISIONS:
+    assert "fp4-mixed" in message
+    for name in [*PRECISIONS, "fp8-mixed"]:
         assert name in message
 
 

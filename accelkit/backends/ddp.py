@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from accelkit.backend import Capabilities, SetupResult
 from accelkit.backends.distributed import DistributedBackend, DistributedOptions
 from accelkit.backends.single import SingleDeviceBackend
+from accelkit.float8 import Float8Options
+from accelkit.precision import NATIVE_PRECISIONS
 
 
 @dataclass
@@ -40,11 +42,22 @@ class DDPOptions(DistributedOptions):
             raise ValueError("powersgd_rank must be >= 1 and powersgd_start_iter >= 0")
 
 
+@dataclass
+class TorchDDPOptions(DDPOptions, Float8Options):
+    """Options of the torch-native ``ddp``: :class:`DDPOptions` and the ``fp8_*`` options of
+    ``precision="fp8-mixed"``. Kept out of :class:`DDPOptions`, which plugin backends built on
+    :class:`DDPBackend` extend without offering fp8-mixed."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_fp8_options()
+
+
 class DDPBackend(DistributedBackend, SingleDeviceBackend):
     """One model replica per process; gradients all-reduced in buckets during backward."""
 
-    capabilities = Capabilities(no_sync=True, distributed=True)
-    options_class = DDPOptions
+    capabilities = Capabilities(no_sync=True, distributed=True, precisions=NATIVE_PRECISIONS)
+    options_class = TorchDDPOptions
 
     def setup(
         self,

@@ -55,7 +55,12 @@ class DistributedBackend(Backend):
 
     def launch(self) -> None:
         self._device = self.pick_device()
-        check_device_supports(self.settings.precision or "32-true", self._device)
+        check_device_supports(
+            self.settings.precision or "32-true",
+            self._device,
+            self.options,
+            f"backend {self.name!r}",
+        )
         self.join_process_group()
         self.precision = self.make_precision()
 
@@ -80,4 +85,6 @@ class DistributedBackend(Backend):
 
     def make_precision(self) -> Precision:
         """The precision policy for ``settings.precision`` on the picked device."""
-        return native_precision(self.settings.precision or "32-true", self._device.type)
+        return native_precision(
+            self.settings.precision or "32-true", self._device.type, self.options
+        )

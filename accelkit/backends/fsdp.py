@@ -28,7 +28,7 @@ import torch
 from accelkit.backend import Capabilities, SetupResult
 from accelkit.backends.distributed import DistributedBackend, DistributedOptions
 from accelkit.backends.mesh import (
-    apply_plan,
+    apply_style,
     build_mesh,
     check_plan,
     fsdp_mesh,
@@ -36,6 +36,7 @@ from accelkit.backends.mesh import (
     resolve_shape,
 )
 from accelkit.errors import ConfigError
+from accelkit.float8 import Float8Options
 from accelkit.modules import (
     apply_activation_checkpointing,
     check_wrap_policy,
@@ -43,6 +44,7 @@ from accelkit.modules import (
     wrap_blocks,
 )
 from accelkit.precision import (
+    NATIVE_PRECISIONS,
     DtypeRow,
     MixedPrecision,
     cast_floats,
@@ -68,12 +70,19 @@ FSDP_DTYPES: dict[str, DtypeRow] = {
     ),
     "bf16-true": DtypeRow("bf16 (sharded)", "bf16", "none", "bf16"),
     "16-true": DtypeRow("fp16 (sharded)", "fp16", "none", "fp16"),
+    "fp8-mixed": DtypeRow(
+        "fp32 sharded; all-gathered as fp8 for the converted Linear weights (tensorwise "
+        "recipe), as bf16 otherwise",
+        "fp8 for the eligible nn.Linear layers (torchao Float8Linear); bf16 elsewhere",
+        "fp32 (the sharded params themselves)",
+        "fp32 (reduce_dtype)",
+    ),
 }
 
 
 # ---- options --------------------------------------------------------------------------------
 @dataclass
-class FSDPOptions(DistributedOptions):
+class FSDPOptions(DistributedOptions, Float8Options):
     #: which submodules become their own FSDP unit before the root: True = the children of the
     #: outermost ModuleList/Sequential stacks; classes, class names or a predicate; False = root only
     wrap_policy: Any = True
@@ -93,9 +102,18 @@ class FSDPOptions(DistributedOptions):
     tp: int | None = None
     #: {module name pattern: ParallelStyle}, or "auto" for the common transformer block shapes
     tp_plan: Any = None
+    #: fp8-mixed: all-gather the converted Linear weights in float8 (torchao's
+    #: enable_fsdp_float8_all_gather); None: on for the tensorwise recipe, the only one it supports
+    fp8_all_gather: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.check_fp8_options()
+        if self.fp8_all_gather and self.fp8_recipe != "tensorwise":
+            raise ValueError(
+                "option 'fp8_all_gather' needs fp8_recipe='tensorwise' (torchao all-gathers "
+                f"float8 weights with one scale per tensor only), got {self.fp8_recipe!r}"
+            )
         check_wrap_policy(self.wrap_policy)
         if (
             isinstance(self.reshard_after_forward, int)
@@ -114,9 +132,12 @@ class FSDPPrecision(MixedPrecision):
     low precision for compute, gradients reduced in fp32. ``-true``: the model is cast to the
     low dtype before sharding. No autocast: FSDP2 casts parameters and inputs itself."""
 
-    def __init__(self, precision: str, device_type: str) -> None:
+    def __init__(self, precision: str, device_type: str, float8: Any = None) -> None:
         self.name = precision
         self.device_type = device_type
+        #: fp8-mixed: the accelkit.float8.Float8Config, and the models converted with it
+        self.float8 = float8
+        self._float8_models: list[weakref.ref] = []
         self._unscaled: set[int] = set()
         self.dtype = None if precision == "32-true" else low_dtype(precision)
         self.mixed = precision.endswith("-mixed")
@@ -138,7 +159,30 @@ class FSDPPrecision(MixedPrecision):
         return contextlib.nullcontext()
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``-true``: cast to the low dtype; ``fp8-mixed``: swap the eligible Linear layers
+        (before ``fully_shard``, so FSDP2 shards and all-gathers the float8-aware weights)."""
+        if self.float8 is not None:
+            from accelkit.float8 import convert_to_float8
+
+            module = convert_to_float8(module, self.float8)
+            if self.float8.all_gather:
+                self._float8_models.append(weakref.ref(module))
+            return module
         return module.to(self.dtype) if self.dtype is not None and not self.mixed else module
+
+    def refresh_float8_scales(self) -> None:
+        """With float8 all-gather: compute the scales of the converted weights for the next
+        all-gather in one all-reduce (torchao's precompute_float8_dynamic_scale_for_fsdp), after
+        the weights changed. Without it, each weight would reduce its own amax at every gather."""
+        if not self._float8_models:
+            return
+        from accelkit.float8 import refresh_fsdp_scales
+
+        self._float8_models = [ref for ref in self._float8_models if ref() is not None]
+        for ref in self._float8_models:
+            model = ref()
+            if model is not None:
+                refresh_fsdp_scales(model)
 
     def convert_output(self, data: Any) -> Any:
         return data if self.dtype is None else cast_floats(data, torch.float32)
@@ -320,6 +364,7 @@ class FSDPBackend(DistributedBackend):
         distributed=True,
         offload=True,
         init_context="meta",
+        precisions=NATIVE_PRECISIONS,
     )
     options_class = FSDPOptions
     dtype_table = FSDP_DTYPES
@@ -333,13 +378,23 @@ class FSDPBackend(DistributedBackend):
         self.mesh_shape: Any = None
 
     def make_precision(self) -> FSDPPrecision:
-        return FSDPPrecision(self.settings.precision, self._device.type)
+        from accelkit.float8 import float8_config
+
+        precision = self.settings.precision
+        float8 = float8_config(f"backend {self.name!r}", precision, self.options)
+        return FSDPPrecision(precision, self._device.type, float8)
 
     # ---- the device mesh (accelkit.backends.mesh) ----------------------------------------------
     def launch(self) -> None:
         super().launch()
         o = self.options
         self.mesh_shape = resolve_shape(self.world_size, o.dp_replicate, o.dp_shard, o.tp)
+        if self.settings.precision == "fp8-mixed" and self.mesh_shape.tp > 1:
+            raise ConfigError(
+                "fsdp: precision 'fp8-mixed' with tensor parallelism (tp > 1) is not supported: "
+                "the tensor-parallel plans shard plain Linear layers, and torchao's float8 layers "
+                "need parallel styles of their own. Use tp=1 (FSDP2 or HSDP) or 'bf16-mixed'."
+            )
         self.mesh = (
             None if self.mesh_shape.is_flat else build_mesh(self._device.type, self.mesh_shape)
         )
@@ -418,21 +473,14 @@ class FSDPBackend(DistributedBackend):
             raise ConfigError("fsdp: this model is already sharded; pass the original module")
         slots = self._optimizer_slots(model, optimizers)
         self._refuse_meta_writes(model)
+        # before the materializer indexes the modules: fp8-mixed swaps Linear layers for new ones
+        model = self.precision.convert_module(model)
         has_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         materializer = _Materializer(model, self.device)
         if has_meta:
             materializer.check(model)
 
-        model = self.precision.convert_module(model)
-        if self.mesh is not None and self.mesh_shape.tp > 1:
-            if has_meta:
-                raise ConfigError(
-                    "fsdp: tensor parallelism on a model built on the meta device is not "
-                    "supported yet; build it with accel.init_module(empty_init=False) or on the CPU"
-                )
-            plan = resolve_plan(model, self.options.tp_plan)
-            check_plan(model, plan, self.mesh_shape.tp)
-            apply_plan(model, self.mesh["tp"], plan)  # before FSDP2 shards the rest
+        tp_styles = self._tp_styles(model)
         if activation_checkpointing:
             apply_activation_checkpointing(model, activation_checkpointing)
         blocks = _select_wrap_blocks(model, self.options.wrap_policy)
@@ -471,6 +519,9 @@ class FSDPBackend(DistributedBackend):
             for child in module.children():
                 visit(child)
             materializer.retie()
+            style = tp_styles.get(id(module))
+            if style is not None:  # its whole subtree is real now; before its unit is sharded
+                apply_style(module, self.mesh["tp"], style)
             if id(module) in unit_ids:
                 fully_shard(module, **shard_kwargs)
 
@@ -495,6 +546,20 @@ class FSDPBackend(DistributedBackend):
             self.settings.precision,
         )
         return SetupResult(model, optimizers)
+
+    def _tp_styles(self, model: torch.nn.Module) -> dict[int, Any]:
+        """``id(module) -> ParallelStyle`` of the tensor-parallel plan (empty without ``tp``).
+
+        Each style is applied in ``setup``'s walk right after its module is materialised (a
+        meta-built model) and before its FSDP unit is sharded: the plan slices a full tensor
+        that the module's own ``reset_parameters()`` initialised, so the weights are those of
+        the same seed built on the CPU."""
+        if self.mesh is None or self.mesh_shape.tp == 1:
+            return {}
+        plan = resolve_plan(model, self.options.tp_plan)
+        check_plan(model, plan, self.mesh_shape.tp)
+        modules = dict(model.named_modules())
+        return {id(modules[name]): style for name, style in plan.items()}
 
     @staticmethod
     def _optimizer_slots(
@@ -525,6 +590,17 @@ class FSDPBackend(DistributedBackend):
         return slots
 
     # ---- the training step --------------------------------------------------------------------
+    def end_step(self) -> None:
+        """After every optimizer of the step: fp8-mixed's all-gather scales of the new weights
+        (torchao's precompute, after each optimizer step)."""
+        super().end_step()
+        self.precision.refresh_float8_scales()
+
+    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
+        """A load replaces the weights: their float8 all-gather scales are computed again."""
+        super().load_fragments(reader, state)
+        self.precision.refresh_float8_scales()
+
     @contextlib.contextmanager
     def _without_sync(self, model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(False)

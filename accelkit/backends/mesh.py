@@ -26,11 +26,16 @@ import torch
 from accelkit.errors import ConfigError
 
 #: name suffixes of the Linear layers of the common transformer blocks, by the sharding they take
-COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv", "qkv",
-           "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc", "c_attn")  # fmt: skip
+COLWISE = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
+           "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc")  # fmt: skip
+#: fused q|k|v projections: a column-wise split of their output would hand one rank all of q and
+#: part of k, so ``tp_plan="auto"`` refuses a model that has one
+FUSED_QKV = ("qkv", "c_attn", "query_key_value", "Wqkv", "qkv_proj", "in_proj")
 ROWWISE = ("o_proj", "out_proj", "wo", "w2", "fc2", "down_proj", "c_proj", "proj")
 #: attributes that hold an attention module's head count
-HEAD_ATTRIBUTES = ("num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads")
+HEAD_ATTRIBUTES = (
+    "num_heads", "n_heads", "n_head", "num_attention_heads", "num_key_value_heads", "heads",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,22 +103,58 @@ def fsdp_mesh(mesh: Any, shape: MeshShape) -> Any:
     return mesh["dp_shard"]
 
 
+def factorizations(world: int) -> list[MeshShape]:
+    """Every ``(dp_replicate, dp_shard, tp)`` whose product is ``world``."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [
+        MeshShape(r, world // (r * t), t)
+        for r in divisors
+        for t in divisors
+        if world % (r * t) == 0
+    ]
+
+
 # ---- tensor-parallel plans -----------------------------------------------------------------------
+def auto_plan_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """``{Linear name: "colwise" | "rowwise"}``: what ``tp_plan="auto"`` shards (``accelkit
+    plan`` estimates tensor parallelism with the same choice)."""
+    kinds: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or not name:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in COLWISE:
+            kinds[name] = "colwise"
+        elif leaf in ROWWISE:
+            kinds[name] = "rowwise"
+    return kinds
+
+
+def fused_qkv_layers(model: torch.nn.Module) -> list[str]:
+    """Names of the Linear layers that project q, k and v at once (see ``FUSED_QKV``)."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in FUSED_QKV
+    ]
+
+
 def transformer_plan(model: torch.nn.Module) -> dict[str, Any]:
     """A plan for the common transformer block shapes, by the Linear layers' names: attention
     q/k/v and MLP up/gate column-wise, attention output and MLP down row-wise. Embeddings and
     the output head stay replicated (FSDP2 still shards them over the data-parallel ranks)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan: dict[str, Any] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or not name:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in COLWISE:
-            plan[name] = ColwiseParallel()
-        elif leaf in ROWWISE:
-            plan[name] = RowwiseParallel()
+    fused = fused_qkv_layers(model)
+    if fused:
+        raise ConfigError(
+            f"fsdp: tp_plan='auto' cannot shard the fused q/k/v projection {fused[0]}: a "
+            "column-wise split of q|k|v would give one rank all of q and part of k. Split it "
+            "into q_proj/k_proj/v_proj Linears, or pass tp_plan as a dict that leaves it out "
+            "(or shards it with a style of your own)"
+        )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[kind]() for name, kind in auto_plan_kinds(model).items()}
     if not plan:
         raise ConfigError(
             "fsdp: tp_plan='auto' found no Linear layer named like a transformer block's "
@@ -180,7 +221,40 @@ def check_plan(model: torch.nn.Module, plan: dict[str, Any], tp: int) -> None:
                 )
 
 
-def apply_plan(model: torch.nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> None:
+def apply_style(module: torch.nn.Module, tp_mesh: Any, style: Any) -> None:
+    """One plan entry on its module (what ``parallelize_module`` does for each entry)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, plan)
+    parallelize_module(module, tp_mesh, style)
+
+
+# ---- what this torch offers (``accelkit env``) ---------------------------------------------------
+MESH_OPTIONS = "dp_replicate, dp_shard, tp, tp_plan ('auto' or {module pattern: ParallelStyle})"
+
+
+def support_report() -> dict[str, str]:
+    """What the ``fsdp`` backend's mesh can use in this torch, in words, by feature."""
+    import importlib.util
+
+    def found(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    if not torch.distributed.is_available():
+        missing = "unavailable: this torch is built without torch.distributed"
+        return {"options": MESH_OPTIONS, "device mesh": missing, "HSDP": missing, "tp": missing}
+    mesh = found("torch.distributed.device_mesh")
+    fsdp2 = mesh and hasattr(importlib.import_module("torch.distributed.fsdp"), "fully_shard")
+    tp = found("torch.distributed.tensor.parallel")
+    return {
+        "options": MESH_OPTIONS,
+        "device mesh": "available (init_device_mesh)" if mesh else "unavailable in this torch",
+        "HSDP": "available (fully_shard on the dp_replicate x dp_shard mesh)"
+        if fsdp2
+        else "unavailable: this torch has no FSDP2 fully_shard",
+        "tp": "available (parallelize_module: ColwiseParallel, RowwiseParallel, SequenceParallel)"
+        if tp
+        else "unavailable: this torch has no torch.distributed.tensor.parallel",
+    }

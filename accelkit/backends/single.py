@@ -10,12 +10,16 @@ import torch
 from accelkit import distributed
 from accelkit.backend import Backend, Capabilities, SetupResult
 from accelkit.errors import ConfigError
+from accelkit.float8 import Float8Options
 from accelkit.modules import apply_activation_checkpointing, compile_in_place
-from accelkit.precision import check_device_supports, native_precision
+from accelkit.precision import NATIVE_PRECISIONS, check_device_supports, native_precision
 
 
 @dataclass
-class SingleDeviceOptions:
+class SingleDeviceOptions(Float8Options):
+    """Options of ``cpu``, ``cuda`` and ``mps``: the device index and the ``fp8_*`` options of
+    ``precision="fp8-mixed"`` (:class:`~accelkit.float8.Float8Options`)."""
+
     #: device index for ``cuda`` (default: LOCAL_RANK, else 0)
     device_index: int | None = None
 
@@ -32,7 +36,7 @@ def device_available(device_type: str) -> bool:
 class SingleDeviceBackend(Backend):
     """Model and optimizer on one device; precision through autocast / GradScaler."""
 
-    capabilities = Capabilities()
+    capabilities = Capabilities(precisions=NATIVE_PRECISIONS)
     options_class = SingleDeviceOptions
 
     def launch(self) -> None:
@@ -53,8 +57,10 @@ class SingleDeviceBackend(Backend):
             self._device = torch.device("cuda", index)
         else:
             self._device = torch.device(device_type)
-        check_device_supports(self.settings.precision, self._device)
-        self.precision = native_precision(self.settings.precision, self._device.type)
+        check_device_supports(
+            self.settings.precision, self._device, self.options, f"backend {self.name!r}"
+        )
+        self.precision = native_precision(self.settings.precision, self._device.type, self.options)
 
     def prepare_module(
         self,

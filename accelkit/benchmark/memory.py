@@ -24,18 +24,22 @@ Two halves:
   the model's ModuleList/Sequential stacks, FSDP's default units) and of everything outside the
   blocks; ``blocks``: how many blocks; ``matmul_params``: parameters of Linear/Conv modules
   (those autocast computes with in low precision);
+- ``tp_params`` / ``tp_block_params``: parameters ``tp_plan="auto"`` would shard, in the model
+  and in its largest block; ``tp_divisor``: every tensor-parallel degree that divides it shards
+  the plan's layers and heads evenly (0: the plan finds no layer);
 - ``batch_size``, ``precision``, ``activation_checkpointing``;
 - ``activation_bytes``: the traced peak of activations alone for ``precision``;
-- ``step_peak(kind, grad_fraction=1.0, weight_copy_fraction=1.0, after_first_grad=0)``: the
-  traced peak over forward and backward of activations + ``grad_fraction`` x the gradients +
+- ``step_peak(kind, grad_fraction=1.0, weight_copy_fraction=1.0, after_first_grad=0, tp=1)``:
+  the traced peak over forward and backward of activations (those tensor parallelism shards
+  divided by ``tp``) + ``grad_fraction`` x the gradients +
   ``weight_copy_fraction`` x autocast's weight copies (+ ``after_first_grad`` bytes from the
   moment the first gradient exists: a buffer a backend allocates in its first gradient hook), where ``kind`` is ``"fp32"`` (fp32 weights and compute), ``"autocast"``
   (fp32 weights, autocast compute; gradients fp32) or ``"low"`` (bf16/fp16 weights and compute;
   gradients bf16/fp16). Traces are made on first use and cached.
 
 ``options`` (what the hook receives) holds ``world_size`` (GPUs), ``precision``, ``optimizer``
-(:data:`OPTIMIZERS`), ``device_type`` and ``backend_options`` (the backend name's presets plus the
-variant's options).
+(:data:`OPTIMIZERS`), ``device_type``, ``backend_options`` (the backend name's presets plus the
+variant's options) and ``mesh`` (``accelkit plan --mesh``: propose the N-D mesh variants).
 
 The hook returns a dict of bytes per device: ``params``, ``grads``, ``optimizer``, ``master``,
 ``activations`` (the traced step peak plus any gathered-parameter working set), ``peak`` (the
@@ -49,6 +53,7 @@ stated guess for ranking: 1.0 is plain data parallelism), ``speed_note``, and op
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -72,7 +77,9 @@ OPTIMIZERS: dict[str, tuple[int, str]] = {
 }
 
 LOW_PRECISIONS = {"bf16-true", "16-true"}
-MIXED_PRECISIONS = {"bf16-mixed", "16-mixed"}
+#: fp8-mixed is traced as bf16-mixed: torchao's Float8Linear keeps the same high-precision
+#: input and weight for backward, and its float8 copies are a byte per element on top
+MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "fp8-mixed"}
 
 
 def low_dtype(precision: str) -> torch.dtype:
@@ -84,11 +91,13 @@ class LiveBytes(TorchDispatchMode):
     """Adds up the bytes of every storage created by an op while it lives.
 
     Each storage is counted once (views share it) in a category: ``act`` (activations and
-    temporaries), ``wcopy`` (autocast's weight copies) or ``grad`` (a parameter's ``.grad``).
+    temporaries), ``wcopy`` (autocast's weight copies), ``grad`` (a parameter's ``.grad``) or
+    ``tp`` (activations that tensor parallelism would shard: made in a block between a
+    column-wise Linear's output and the next row-wise Linear, see :func:`mark_tp_region`).
     After every allocation the totals go on ``timeline``; peaks happen right after allocations.
     """
 
-    CATEGORIES = ("act", "wcopy", "grad")
+    CATEGORIES = ("act", "wcopy", "grad", "tp")
 
     def __init__(self, device_type: str = "meta") -> None:
         super().__init__()
@@ -96,7 +105,9 @@ class LiveBytes(TorchDispatchMode):
         self.device_type = device_type
         self.live: dict[int, list[Any]] = {}
         self.totals = dict.fromkeys(self.CATEGORIES, 0)
-        self.timeline: list[tuple[int, int, int]] = []
+        self.timeline: list[tuple[int, int, int, int]] = []
+        #: inside a tensor-parallel region: new storages count as ``tp``
+        self.in_tp_region = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -119,8 +130,9 @@ class LiveBytes(TorchDispatchMode):
         if key in self.live:
             return False
         nbytes = storage.nbytes()
-        self.live[key] = [nbytes, "act"]
-        self.totals["act"] += nbytes
+        category = "tp" if self.in_tp_region else "act"
+        self.live[key] = [nbytes, category]
+        self.totals[category] += nbytes
         weakref.finalize(storage, self._free, key)
         return True
 
@@ -258,9 +270,32 @@ def build_on_meta(workload: Any) -> torch.nn.Module:
         return workload.build()
 
 
+def mark_tp_region(model: torch.nn.Module, tracker: LiveBytes) -> list[Any]:
+    """Hooks that tag what ``tp_plan="auto"`` would shard: a column-wise Linear's output and
+    everything made after it until a row-wise Linear starts (attention heads, the MLP's hidden
+    activations). Returns the hook handles."""
+    from accelkit.backends.mesh import auto_plan_kinds
+
+    def enter(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            tracker.recategorize(output, "tp")
+        tracker.in_tp_region = True
+
+    def leave(module: torch.nn.Module, args: Any) -> None:
+        tracker.in_tp_region = False
+
+    modules = dict(model.named_modules())
+    return [
+        modules[name].register_forward_hook(enter)
+        if kind == "colwise"
+        else modules[name].register_forward_pre_hook(leave)
+        for name, kind in auto_plan_kinds(model).items()
+    ]
+
+
 def trace_step(
     workload: Any, batch_size: int, kind: str, low: torch.dtype, activation_checkpointing: bool
-) -> list[tuple[int, int, int]]:
+) -> list[tuple[int, int, int, int]]:
     """One forward and backward on the meta device; the tracker's timeline."""
     from accelkit.benchmark.workloads import call_model, move_batch
 
@@ -278,6 +313,7 @@ def trace_step(
         for p in model.parameters()
         if p.requires_grad
     ]
+    hooks += mark_tp_region(model, tracker)
     emulate = MetaTraceMode(tracker, low if kind == "autocast" else None)
     with tracker:
         with emulate:
@@ -323,7 +359,7 @@ def model_stats(
     low = low_dtype(precision) if precision != "32-true" else torch.bfloat16
 
     @functools.cache
-    def timeline(kind: str) -> tuple[tuple[int, int, int], ...]:
+    def timeline(kind: str) -> tuple[tuple[int, int, int, int], ...]:
         return tuple(trace_step(workload, batch_size, kind, low, activation_checkpointing))
 
     def step_peak(
@@ -331,21 +367,25 @@ def model_stats(
         grad_fraction: float = 1.0,
         weight_copy_fraction: float = 1.0,
         after_first_grad: int = 0,
+        tp: int = 1,
     ) -> int:
         points = timeline(kind)
         return int(
             max(
                 (
                     a
+                    + t / tp
                     + weight_copy_fraction * w
                     + grad_fraction * g
                     + (after_first_grad if g else 0)
-                    for a, w, g in points
+                    for a, w, g, t in points
                 ),
                 default=0,
             )
         )
 
+    tp_sharded = tp_sharded_params(model)
+    largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()), default=None)
     stats: dict[str, Any] = {
         "params": sum(p.numel() for p in params),
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
@@ -360,6 +400,9 @@ def model_stats(
             for p in m.parameters(recurse=False)
         ),
         "blocks": len(blocks),
+        "tp_params": sum(tp_sharded.values()),
+        "tp_block_params": sum(tp_sharded_params(largest).values()) if largest else 0,
+        "tp_divisor": tp_divisor(model),
         "batch_size": batch_size,
         "precision": precision,
         "activation_checkpointing": activation_checkpointing,
@@ -367,6 +410,43 @@ def model_stats(
     }
     stats["activation_bytes"] = step_peak(trace_kind(precision), 0.0, 0.0)
     return stats
+
+
+def tp_sharded_params(model: torch.nn.Module) -> dict[str, int]:
+    """``{parameter name: elements}`` that ``tp_plan="auto"`` shards: a column-wise Linear's
+    weight and bias, a row-wise Linear's weight (its bias stays whole on every rank)."""
+    from accelkit.backends.mesh import auto_plan_kinds
+
+    modules = dict(model.named_modules())
+    out = {}
+    for name, kind in auto_plan_kinds(model).items():
+        for pname, p in modules[name].named_parameters(recurse=False):
+            if kind == "colwise" or pname == "weight":
+                out[f"{name}.{pname}"] = p.numel()
+    return out
+
+
+def tp_divisor(model: torch.nn.Module) -> int:
+    """The largest tensor-parallel degree whose divisors all shard the auto plan: the gcd of the
+    sharded feature counts and the attention head counts (0: nothing to shard)."""
+    from accelkit.backends.mesh import HEAD_ATTRIBUTES, auto_plan_kinds, fused_qkv_layers
+
+    if fused_qkv_layers(model):
+        return 0  # tp_plan="auto" refuses a fused q|k|v projection
+    modules = dict(model.named_modules())
+    sizes = [
+        modules[n].out_features if kind == "colwise" else modules[n].in_features
+        for n, kind in auto_plan_kinds(model).items()
+    ]
+    if not sizes:
+        return 0
+    heads = [
+        getattr(m, a)
+        for m in model.modules()
+        for a in HEAD_ATTRIBUTES
+        if isinstance(getattr(m, a, None), int) and not isinstance(getattr(m, a), bool)
+    ]
+    return math.gcd(*sizes, *heads)
 
 
 # ---- the torch-native backends ------------------------------------------------------------------
@@ -438,36 +518,55 @@ def estimate_single_or_ddp(
 
 def estimate_fsdp(stats: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """FSDP2: parameters, gradients and optimizer state sharded N ways; a working set of
-    gathered units (the root stays gathered; two blocks at a time with prefetch)."""
+    gathered units (the root stays gathered; two blocks at a time with prefetch).
+
+    On a ``(dp_replicate, dp_shard, tp)`` mesh (``backend_options``): FSDP2 shards over
+    ``dp_shard`` only (HSDP replicates over ``dp_replicate``), and tensor parallelism first
+    divides the layers ``tp_plan="auto"`` shards (``stats["tp_params"]``) and the activations
+    between them by ``tp``. ``options["mesh"]`` asks for a variant per mesh of the GPUs."""
+    from accelkit.backends.mesh import resolve_shape
+
     precision = options["precision"]
     backend_options = options.get("backend_options", {})
     offload = bool(backend_options.get("cpu_offload", False))
-    N = max(1, int(options["world_size"]))
+    world = max(1, int(options["world_size"]))
+    shape = resolve_shape(
+        world,
+        backend_options.get("dp_replicate"),
+        backend_options.get("dp_shard"),
+        backend_options.get("tp"),
+    )
+    N, tp = shape.dp_shard, shape.tp
     states, temporaries = optimizer_terms(options)
     P, T = stats["params"], stats["trainable_params"]
+    # what one tensor-parallel rank holds before FSDP2 shards it (the plan's layers / tp)
+    tp_cut = stats.get("tp_params", 0) - stats.get("tp_params", 0) // tp
+    P_rank, T_rank = P - tp_cut, max(0, T - tp_cut)
+    block_cut = stats.get("tp_block_params", 0) - stats.get("tp_block_params", 0) // tp
     s = _dtype_bytes(precision)  # sharded params, grads, optimizer state
     c = 4 if precision == "32-true" else 2  # gathered params and unsharded grads
     mixed = precision in MIXED_PRECISIONS
-    shard_params = P * s // N + stats["buffer_bytes"]
-    shard_grads = T * s // N
-    optimizer = states * T * s // N
-    block = stats["largest_block"]
+    shard_params = P_rank * s // N + stats["buffer_bytes"]
+    shard_grads = T_rank * s // N
+    optimizer = states * T_rank * s // N
+    block = stats["largest_block"] - block_cut
     gathered = stats["root_params"] * c + 2 * block * c
     # the root unit reduce-scatters after the whole backward: its unsharded gradients (and
     # their fp32 reduce-scatter input) live through it; a block's only while it reduces
     unsharded_grads = (stats["root_params"] + block) * (c + (4 if mixed else 0))
     kind = "low" if mixed else trace_kind(precision)
     traced_grad_bytes = 2 if kind == "low" else 4
-    grad_fraction = 0.0 if offload else (s / traced_grad_bytes) / N
-    dynamic = stats["step_peak"](kind, grad_fraction, 0.0) + gathered + unsharded_grads
-    temp = T * s // N if temporaries == "foreach" and states and not offload else 0
+    grad_fraction = 0.0 if offload or not T else (s / traced_grad_bytes) * (T_rank / T) / N
+    dynamic = stats["step_peak"](kind, grad_fraction, 0.0, tp=tp) + gathered + unsharded_grads
+    temp = T_rank * s // N if temporaries == "foreach" and states and not offload else 0
     if offload:
         peak = dynamic
         host = shard_params + shard_grads + optimizer
     else:
         peak = shard_params + optimizer + max(dynamic, shard_grads + temp)
         host = 0
-    speed, note = NATIVE_SPEED["fsdp_offload" if offload else "fsdp"]
+    speed, note = _fsdp_speed(shape, offload)
+    p_, t_ = ("P", "T") if tp == 1 else ("P'", "T'")
     result = {
         "params": 0 if offload else shard_params,
         "grads": 0 if offload else shard_grads,
@@ -476,18 +575,77 @@ def estimate_fsdp(stats: dict[str, Any], options: dict[str, Any]) -> dict[str, A
         "activations": dynamic,
         "peak": peak,
         "host": host,
-        "world_size": N,
+        "world_size": world,
+        "mesh": [shape.dp_replicate, shape.dp_shard, shape.tp],
         "formula": (
-            ("host: (P*s + T*s + k*T*s)/N; device: " if offload else "(P*s + k*T*s)/N + ")
-            + "traced step (grads T*s/N) + gathered root*c + 2*block*c + block*(c+4 if mixed)"
-            + f"  (s={s}, c={c}, k={states}, N={N})"
+            (
+                f"host: ({p_}*s + {t_}*s + k*{t_}*s)/N; device: "
+                if offload
+                else f"({p_}*s + k*{t_}*s)/N + "
+            )
+            + f"traced step (grads {t_}*s/N) + gathered root*c + 2*block*c + block*(c+4 if mixed)"
+            + (
+                "; P', T', block: the auto plan's layers / tp; traced tp-region activations / tp"
+                if tp > 1
+                else ""
+            )
+            + f"  (s={s}, c={c}, k={states}, N={N}"
+            + (f", tp={tp}, replicas={shape.dp_replicate})" if not shape.is_flat else ")")
         ),
         "relative_step_time": speed,
         "speed_note": note,
     }
-    if not offload:
+    if not offload and shape.is_flat and not _has_mesh_options(backend_options):
         result["variants"] = [{"label": "cpu_offload", "options": {"cpu_offload": True}}]
+        if options.get("mesh"):
+            result["variants"] += mesh_variants(stats, world)
     return result
+
+
+def _has_mesh_options(backend_options: dict[str, Any]) -> bool:
+    return any(backend_options.get(k) is not None for k in ("dp_replicate", "dp_shard", "tp"))
+
+
+def mesh_variants(stats: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """A variant per ``(dp_replicate, dp_shard, tp)`` factorisation of ``world`` other than
+    plain FSDP's ``(1, world, 1)``; a ``tp`` the auto plan cannot shard evenly is left out."""
+    from accelkit.backends.mesh import factorizations
+
+    out = []
+    for shape in factorizations(world):
+        if shape.is_flat:
+            continue
+        divisor = stats.get("tp_divisor") or 0  # 0: nothing tp_plan="auto" can shard
+        if shape.tp > 1 and (not stats.get("tp_params") or not divisor or divisor % shape.tp):
+            continue
+        options: dict[str, Any] = {
+            "dp_replicate": shape.dp_replicate,
+            "dp_shard": shape.dp_shard,
+            "tp": shape.tp,
+        }
+        if shape.tp > 1:
+            options["tp_plan"] = "auto"
+        label = f"mesh {shape.dp_replicate}x{shape.dp_shard}x{shape.tp}"
+        out.append({"label": label, "options": options})
+    return out
+
+
+def _fsdp_speed(shape: Any, offload: bool) -> tuple[float, str]:
+    """The stated guess for ranking: plain FSDP2's, and on a mesh 1.05 for replicas alone
+    (S=1) or 1.25 with sharding, times 1 + 0.2 log2(tp) for tensor parallelism's activation
+    all-reduces (two per block, forward and backward)."""
+    if offload or shape.is_flat:
+        return NATIVE_SPEED["fsdp_offload" if offload else "fsdp"]
+    base = 1.25 if shape.dp_shard > 1 else 1.05
+    speed = base * (1 + 0.2 * math.log2(shape.tp))
+    parts = []
+    if shape.dp_shard > 1:
+        parts.append(f"sharded over {shape.dp_shard}")
+    if shape.dp_replicate > 1:
+        parts.append(f"{shape.dp_replicate} replicas")
+    if shape.tp > 1:
+        parts.append(f"tensor parallel over {shape.tp}: activation all-reduces per block")
+    return round(speed, 3), "; ".join(parts)
 
 
 def estimate_native(backend: str, stats: dict[str, Any], options: dict[str, Any]) -> Any:

@@ -33,6 +33,8 @@ class PlanRequest:
     headroom: float = 0.1
     batch_factory: str | None = None
     backends: list[str] | None = None
+    #: also estimate ``fsdp`` on every (dp_replicate, dp_shard, tp) mesh of the GPUs
+    mesh: bool = False
 
 
 @dataclass
@@ -59,6 +61,19 @@ def _note(note: str, estimate: dict[str, Any]) -> str:
     return "; ".join(n for n in (note, estimate.get("note", "")) if n)
 
 
+def _offers(spec: Any, precision: str) -> bool:
+    """False for a precision beyond the five every backend maps (``fp8-mixed``) that the backend
+    does not list: its estimator would answer for a precision it cannot run."""
+    from accelkit.precision import PRECISIONS
+
+    if precision in PRECISIONS:
+        return True
+    try:
+        return precision in spec.load_class().capabilities.precisions
+    except Exception:  # a plugin that fails to load cannot run it either
+        return False
+
+
 def make_plan(request: PlanRequest) -> dict[str, Any]:
     """The plan as a dict: model figures, one entry per configuration, the recommendation."""
     import torch
@@ -81,6 +96,7 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
         "precision": request.precision,
         "optimizer": request.optimizer,
         "device_type": "cuda",
+        "mesh": request.mesh,
     }
     candidates: list[Candidate] = []
     silent: list[str] = []
@@ -93,6 +109,8 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
         if spec.plugin not in answering:
             silent.append(spec.name)
             continue
+        if not _offers(spec, request.precision):
+            continue  # fp8-mixed: the estimators know the five standard strings only
         note = ""
         missing = spec.missing_libraries()
         if missing:

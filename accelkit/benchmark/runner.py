@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 RAW_SINGLE = "raw"
 RAW_DDP = "raw-ddp"
+#: what the raw baseline's hand-written loop runs (autocast, GradScaler, a cast model)
+RAW_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+FP8_MIXED = "fp8-mixed"
 FLAGS = ("compile", "ckpt")
 
 
@@ -57,7 +60,13 @@ class BenchConfig:
     timeout_s: float = 900.0
     #: CPU threads per process (default: the cores divided among a row's processes)
     threads: int | None = None
+    #: backend options for every accelkit row (``accelkit.get(name, **options)``)
     options: dict[str, Any] = field(default_factory=dict)
+    #: backend name -> options for that backend's rows only (``--option fsdp:tp=2``)
+    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: more precisions (``--precision bf16-mixed,fp8-mixed``): every accelkit row runs again in
+    #: each, labelled ``@precision``, its step time compared with the same row in ``precision``
+    compare_precisions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +79,10 @@ class Row:
     compile: bool = False
     activation_checkpointing: bool = False
     nproc: int = 1
+    #: what ``accelkit.get`` receives besides the precision
+    options: dict[str, Any] = field(default_factory=dict)
+    #: one of ``BenchConfig.compare_precisions``; None: the run's ``precision``
+    precision: str | None = None
     status: str = "pending"  # ok | unavailable | failed
     reason: str = ""
     ready: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +94,23 @@ class Row:
     @property
     def runnable(self) -> bool:
         return self.status in ("pending", "ready")
+
+
+def parse_option(text: str) -> tuple[str | None, str, Any]:
+    """``[BACKEND:]KEY=VALUE`` -> (backend or None, key, value); the value is read as JSON
+    (``2``, ``true``, ``{"a": 1}``), else kept as a string (``auto``)."""
+    head = text.split("=", 1)[0]
+    target, assignment = ("", text) if ":" not in head else text.split(":", 1)
+    key, equals, raw = assignment.partition("=")
+    if not equals or not key.strip():
+        raise ValueError(
+            f"--option {text!r}: expected KEY=VALUE or BACKEND:KEY=VALUE (e.g. fsdp:tp=2)"
+        )
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return (target.strip() or None), key.strip(), value
 
 
 def parse_backends(text: str) -> list[tuple[str, str, set[str]]]:
@@ -118,8 +148,9 @@ def make_rows(config: BenchConfig, backends: str) -> list[Row]:
 
     rows: list[Row] = []
     host = registry.host()
-    for label, name, flags in parse_backends(backends):
+    for label, name, flags, precision in expand_precisions(parse_backends(backends), config):
         row = Row(label, None if name in (RAW_SINGLE, RAW_DDP) else name)
+        row.precision = None if precision == config.precision else precision
         row.compile = "compile" in flags
         row.activation_checkpointing = "ckpt" in flags
         if name == RAW_SINGLE:
@@ -129,18 +160,27 @@ def make_rows(config: BenchConfig, backends: str) -> list[Row]:
             if config.nproc < 2:
                 row.status, row.reason = "unavailable", "raw-ddp needs --nproc 2 or more"
         else:
+            row.options = {**config.options, **config.backend_options.get(name, {})}
+            if precision != FP8_MIXED:  # the fp8_* options reach the fp8-mixed rows only
+                row.options = _without_fp8(row.options)
+            if config.backend_options.get(name):
+                shown = ", ".join(f"{k}={v}" for k, v in config.backend_options[name].items())
+                row.label = f"{label} [{shown}]"
             try:
                 spec = host.resolve(name)
-                caps = spec.load_class().capabilities
+                backend_class = spec.load_class()
+                caps = backend_class.capabilities
+                if row.options:  # a typo fails here, before a process starts
+                    backend_class.parse_config(name, None, {**spec.defaults, **row.options})
             except AccelkitError as err:
                 row.status, row.reason = "unavailable", str(err)
             except Exception as err:  # a plugin that fails to import: reported, not fatal
                 row.status, row.reason = "unavailable", f"{type(err).__name__}: {err}"
             else:
                 row.nproc = config.nproc if caps.distributed else 1
-                if config.precision not in caps.precisions:
+                if precision not in caps.precisions:
                     row.status = "unavailable"
-                    row.reason = f"precision {config.precision!r} is not supported by {name!r}"
+                    row.reason = f"precision {precision!r} is not supported by {name!r}"
                 elif row.compile and not caps.compile:
                     row.status, row.reason = "unavailable", f"{name!r} does not support compile"
                 elif row.activation_checkpointing and not caps.activation_checkpointing:
@@ -153,13 +193,64 @@ def make_rows(config: BenchConfig, backends: str) -> list[Row]:
             rows.insert(0, Row(RAW_SINGLE, None, raw="single"))
         if any(r.nproc > 1 and r.backend for r in rows) and RAW_DDP not in have:
             rows.insert(0, Row(RAW_DDP, None, raw="ddp", nproc=config.nproc))
+    for row in rows:
+        if (
+            row.raw is not None
+            and row.status == "pending"
+            and config.precision not in RAW_PRECISIONS
+        ):
+            row.status = "unavailable"
+            row.reason = (
+                f"the raw baseline has no {config.precision} loop; compare precisions with "
+                f"--precision bf16-mixed,{config.precision}"
+            )
     return rows
+
+
+def expand_precisions(
+    items: list[tuple[str, str, set[str]]], config: BenchConfig
+) -> list[tuple[str, str, set[str], str]]:
+    """``(label, name, flags, precision)``: every row in ``config.precision``, then every accelkit
+    row again in each of ``config.compare_precisions``, its label ending in ``@precision`` (the
+    raw baselines run the first precision only)."""
+    expanded = [(label, name, flags, config.precision) for label, name, flags in items]
+    for precision in config.compare_precisions:
+        expanded += [
+            (f"{label} @{precision}", name, flags, precision)
+            for label, name, flags in items
+            if name not in (RAW_SINGLE, RAW_DDP)
+        ]
+    return expanded
+
+
+def _without_fp8(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` without the ``fp8_*`` ones, which only ``precision="fp8-mixed"`` accepts."""
+    return {k: v for k, v in options.items() if not k.startswith("fp8_")}
+
+
+def precision_base_of(row: Row, rows: list[Row]) -> Row | None:
+    """The row a ``@precision`` row is compared with: the same backend, suffixes and options in
+    the run's first precision."""
+    if row.precision is None:
+        return None
+    for other in rows:
+        if (
+            other.precision is None
+            and other.backend == row.backend
+            and other.status == "ok"
+            and (other.compile, other.activation_checkpointing)
+            == (row.compile, row.activation_checkpointing)
+            and _without_fp8(other.options) == _without_fp8(row.options)
+            and other.nproc == row.nproc
+        ):
+            return other
+    return None
 
 
 def baseline_of(row: Row, rows: list[Row]) -> Row | None:
     """The raw row this row is compared with: same process count, same compile flag if there
-    is one, else the eager raw row."""
-    if row.raw is not None:
+    is one, else the eager raw row (none for a ``@precision`` row: see precision_base_of)."""
+    if row.raw is not None or row.precision is not None:
         return None
     kind = "ddp" if row.nproc > 1 else "single"
     device = row.ready.get("device")
@@ -193,13 +284,13 @@ def launch(row: Row, config: BenchConfig, device: str, workdir: Path, index: int
         "batch_factory": config.batch_factory,
         "seq": config.seq,
         "batch": config.batch,
-        "precision": config.precision,
+        "precision": row.precision or config.precision,
         "steps": config.steps,
         "warmup": config.warmup,
         "seed": config.seed,
         "device": device,
         "control": str(row.control),
-        "options": config.options if row.backend else {},
+        "options": row.options,
         "parent_pid": os.getpid(),
         "threads": config.threads,
     }
@@ -289,14 +380,25 @@ def run_repeat(row: Row, index: int, timeout_s: float) -> None:
     row.results.append(result)
 
 
-def measure_peak(config: BenchConfig, device: str, workdir: Path) -> dict[str, Any]:
-    """The FLOP/s ceiling MFU is stated against: given, or a matmul measured in a worker."""
+def peak_dtype(precision: str, device: str) -> str:
+    """The matmul dtype whose peak a precision's MFU is stated against: bf16 (fp16) for the
+    16-bit precisions and float8 (e4m3) for fp8-mixed on a GPU; fp32 on the CPU."""
+    if device != "cuda":
+        return "float32"
+    if precision == "fp8-mixed":
+        return "float8_e4m3fn"
+    return {"bf": "bfloat16", "16": "float16"}.get(precision[:2], "float32")
+
+
+def measure_peak(
+    config: BenchConfig, device: str, workdir: Path, precision: str | None = None
+) -> dict[str, Any]:
+    """The FLOP/s ceiling MFU is stated against: given, or a matmul measured in a worker in the
+    compute dtype of ``precision`` (default: the run's)."""
     if config.peak_tflops:
         return {"flops": config.peak_tflops * 1e12, "how": "given with --peak-tflops"}
-    dtype = "float32"
-    if device == "cuda":
-        dtype = {"bf": "bfloat16", "16": "float16"}.get(config.precision[:2], "float32")
-    out = workdir / "peak.json"
+    dtype = peak_dtype(precision or config.precision, device)
+    out = workdir / f"peak-{dtype}.json"
     command = [sys.executable, "-m", "accelkit.benchmark.worker", "--peak", device, dtype, str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if done.returncode != 0 or not out.exists():
@@ -341,7 +443,7 @@ def run(
             for row in runnable:
                 await_ready(row, config)
                 tick(f"{row.label} ready")
-            peak = measure_peak(config, device, workdir)  # on an idle machine: rows wait
+            peaks = measure_peaks(config, device, workdir)  # on an idle machine: rows wait
             for round_index in range(config.repeats):
                 live = [r for r in runnable if r.status == "ready"]
                 if not live:
@@ -353,7 +455,7 @@ def run(
                     run_repeat(row, round_index, config.timeout_s)
                     tick(f"round {round_index + 1}: {row.label}")
         else:
-            peak = measure_peak(config, device, workdir)
+            peaks = measure_peaks(config, device, workdir)
             for i, row in enumerate(runnable):
                 if progress is not None:
                     progress.set_description_str(f"setting up {row.label}")
@@ -376,7 +478,21 @@ def run(
             row.status = "ok" if len(row.results) == config.repeats else "failed"
             if row.status == "failed" and not row.reason:
                 row.reason = "some repeats did not finish"
-    return summarize(config, device, workload, rows, peak, workload_params)
+    return summarize(
+        config, device, workload, rows, peaks[config.precision], workload_params, peaks=peaks
+    )
+
+
+def measure_peaks(config: BenchConfig, device: str, workdir: Path) -> dict[str, dict[str, Any]]:
+    """The peak of each precision of the run (one measurement per compute dtype)."""
+    by_dtype: dict[str, dict[str, Any]] = {}
+    peaks = {}
+    for precision in (config.precision, *config.compare_precisions):
+        dtype = peak_dtype(precision, device)
+        if dtype not in by_dtype:
+            by_dtype[dtype] = measure_peak(config, device, workdir, precision)
+        peaks[precision] = by_dtype[dtype]
+    return peaks
 
 
 # ---- the result document ----------------------------------------------------------------------------
@@ -421,9 +537,12 @@ def summarize(
     rows: list[Row],
     peak: dict[str, Any],
     params: ParamCount | None = None,
+    peaks: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The result document; ``params`` (the model's count, from the meta device) is what MFU
-    counts, else each row's own count."""
+    counts, else each row's own count. ``peaks``: the peak of each precision of the run (a
+    ``@precision`` row's MFU is stated against its own); ``peak`` is the first precision's."""
+    peaks = peaks or {config.precision: peak}
     if params is None:  # each worker's own count (a ZeRO-3 row's misses what it partitioned)
         params = next((_count_of(r.ready) for r in rows if r.status == "ok"), None)
     results = []
@@ -436,11 +555,14 @@ def summarize(
             "compile": row.compile,
             "activation_checkpointing": row.activation_checkpointing,
             "nproc": row.nproc,
+            "options": row.options,
+            "precision": row.precision or config.precision,
             "status": row.status,
             "reason": row.reason or None,
         }
         if row.status == "ok":
-            entry.update(_figures(config, workload, row, rows, peak, params))
+            row_peak = peaks.get(row.precision or config.precision, peak)
+            entry.update(_figures(config, workload, row, rows, row_peak, params))
         results.append(entry)
     return {
         "accelkit_bench": 1,
@@ -458,6 +580,13 @@ def summarize(
             "how": peak.get("how"),
             "devices": "per GPU" if device == "cuda" else "the whole CPU (all cores, one process)",
         },
+        "peaks": {
+            precision: {
+                "tflops_per_device": None if p.get("flops") is None else p["flops"] / 1e12,
+                "how": p.get("how"),
+            }
+            for precision, p in peaks.items()
+        },
         "model": {
             "name": workload.name,
             "description": workload.description,
@@ -467,7 +596,7 @@ def summarize(
             "non_embedding_params": None if params is None else params.non_embedding,
             "tied_embedding_params": None if params is None else params.tied,
         },
-        "flops": _flops_statement(workload, params, peak, device),
+        "flops": _flops_statement(workload, params, peak, device, peaks),
         "results": results,
     }
 
@@ -488,7 +617,11 @@ def _count_of(ready: dict[str, Any]) -> ParamCount:
 
 
 def _flops_statement(
-    workload: Any, params: ParamCount | None, peak: dict[str, Any], device: str
+    workload: Any,
+    params: ParamCount | None,
+    peak: dict[str, Any],
+    device: str,
+    peaks: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """How MFU is counted, in numbers and in words (the JSON keeps it; the table prints it)."""
     if params is None:
@@ -498,18 +631,24 @@ def _flops_statement(
     formula = workload.describe_flops(params.non_embedding)
     value = per_token if per_token is not None and formula.startswith("per token") else per_sample
     tied = f"; {params.tied:,} tied to a head, counted once as matmul work" if params.tied else ""
-    flops = peak.get("flops")
     where = "per GPU" if device == "cuda" else "the whole CPU"
-    peak_text = (
-        f"{flops_rate(flops)} {where} ({peak.get('how')})"
-        if flops
-        else f"unknown ({peak.get('how')})"
-    )
+
+    def peak_text(p: dict[str, Any]) -> str:
+        flops = p.get("flops")
+        return (
+            f"{flops_rate(flops)} {where} ({p.get('how')})"
+            if flops
+            else f"unknown ({p.get('how')})"
+        )
+
     statement = (
         f"MFU = training FLOP/s / peak. Training FLOPs {formula} = {value:,.0f} "
         f"({params.total:,} parameters in all, {params.embedding:,} of them embedding lookups, "
-        f"not counted{tied}). Peak: {peak_text}."
+        f"not counted{tied}). Peak: {peak_text(peak)}."
     )
+    others = [(k, p) for k, p in (peaks or {}).items() if p is not peak]
+    if others:
+        statement += "".join(f" Peak of the {k} rows: {peak_text(p)}." for k, p in others)
     return {
         "formula": formula,
         "counted_params": params.non_embedding,
@@ -531,7 +670,8 @@ def _figures(
     median = statistics.median(times)
     world = int(row.ready.get("world_size", row.nproc))
     params = model_params or _count_of(row.ready)
-    samples = config.batch * world / median
+    # tensor parallelism: the ranks of a tensor-parallel group share one batch
+    samples = config.batch * int(row.ready.get("data_parallel_world_size", world)) / median
     figures: dict[str, Any] = {
         "world_size": world,
         "device": row.ready.get("device"),
@@ -569,4 +709,20 @@ def _figures(
             "min": min(ratios),
             "max": max(ratios),
         }
+    other = precision_base_of(row, rows)
+    if other is not None and len(other.results) == len(row.results):
+        # within each round, like the overhead: the two precisions' step times, same slot
+        ratios = [
+            mine["step_s"] / theirs["step_s"]
+            for mine, theirs in zip(row.results, other.results, strict=True)
+        ]
+        figures["vs_precision"] = {
+            "vs": other.label,
+            "precision": config.precision,
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
+    if flops:
+        figures["peak_tflops"] = flops / 1e12
     return figures

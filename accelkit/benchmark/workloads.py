@@ -12,6 +12,9 @@ Built-in workloads (``bench/peers.py`` trains the same shapes under the peer fra
 - ``gpt2-small``: a GPT-2-small-shaped decoder, 12 layers, width 768, 12 heads, sequence 1024,
   vocabulary 50304 (163,109,376 parameters with an untied head; 123,689,472 without the token
   and position embeddings, the count MFU uses).
+- ``gpt-2048``: 12 layers, width 2048, 16 heads, sequence 2048, vocabulary 50304 (about 815M
+  parameters, 707M without the token and position embeddings): wide enough that float8 pays
+  (``--precision bf16-mixed,fp8-mixed``); AdamW at batch 8 takes about 34 GiB (accelkit plan).
 - ``package.module:factory``: the user's model. ``factory()`` returns a :class:`Workload`, a
   ``(model, make_batch)`` pair, or a model alone, in which case ``make_batch`` is looked up in
   the same module (or given with ``--batch-factory package.module:function``).
@@ -235,6 +238,15 @@ BUILTIN: dict[str, Callable[..., Workload]] = {
         seq or 1024,
         "GPT-2-small-shaped decoder, 12 layers, width 768, 12 heads, vocab 50304",
     ),
+    "gpt-2048": lambda seq=None: _gpt_workload(
+        "gpt-2048",
+        50304,
+        2048,
+        12,
+        16,
+        seq or 2048,
+        "GPT decoder, 12 layers, width 2048, 16 heads, vocab 50304",
+    ),
 }
 
 
@@ -293,7 +305,8 @@ def _model_of(made: Any, spec: str) -> nn.Module:
 
 def get_workload(name: str, batch_factory: str | None = None, seq: int | None = None) -> Workload:
     """A built-in workload by name, or the user's ``package.module:factory``. ``seq`` sets the
-    sequence length of the built-in GPTs (default 64 for tiny-gpt, 1024 for gpt2-small)."""
+    sequence length of the built-in GPTs (default 64 for tiny-gpt, 1024 for gpt2-small, 2048 for
+    gpt-2048)."""
     if name in BUILTIN:
         return BUILTIN[name](seq)
     if ":" in name:

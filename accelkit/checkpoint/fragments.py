@@ -360,21 +360,37 @@ def _first_of_other_dims(mesh: Any) -> bool:
     return all(root.get_local_rank(d) == 0 for d in root_names if d not in names)
 
 
-def _dtensor_writes_here(tensor: Any) -> bool | None:
-    """True if this rank writes its local shard; None if the placements need a gather."""
+def _needs_gather(tensor: Any) -> bool:
+    """Whether a DTensor's pieces are not flat ranges (Partial, _StridedShard, a shard of a
+    later dimension: a tensor-parallel row-wise weight), so every rank must gather it. Decided
+    from the placements and the global shape alone: every rank holding the tensor takes the
+    same path (a rank that skipped the gather would leave its peers' collective and the
+    replica planner's load counts out of step: pieces no rank writes)."""
     from torch.distributed.tensor import Replicate, Shard
 
+    shape = tuple(tensor.shape)
+    for placement in tensor.placements:
+        if type(placement) is Replicate:
+            continue
+        if type(placement) is not Shard or math.prod(shape[: placement.dim]) != 1:
+            return True
+    return False
+
+
+def _dtensor_writes_here(tensor: Any) -> bool | None:
+    """True if this rank writes its local shard, False if another rank writes the piece it
+    holds; None (on every rank alike) if the tensor needs a gather."""
+    from torch.distributed.tensor import Replicate
+
+    if _needs_gather(tensor):
+        return None
     mesh = tensor.device_mesh
     coord = mesh.get_coordinate()
     if coord is None or not _first_of_other_dims(mesh):
         return False
-    for placement, c in zip(tensor.placements, coord):
-        if type(placement) is Replicate:
-            if c != 0:
-                return False
-        elif type(placement) is not Shard:
-            return None  # Partial, _StridedShard, ...
-    return True
+    return all(
+        c == 0 for placement, c in zip(tensor.placements, coord) if type(placement) is Replicate
+    )
 
 
 # ---- the default writer -----------------------------------------------------------------------------

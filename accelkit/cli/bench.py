@@ -20,17 +20,27 @@ examples:
   accelkit bench --model gpt2-small --backends cuda,cuda+compile,fsdp,deepspeed_stage_2 \\
       --precision bf16-mixed --out result.json --plot chart.png
   accelkit bench --model mypkg.models:build --batch-factory mypkg.models:make_batch --backends cuda
+  accelkit bench --model gpt-2048 --backends cuda+compile --precision bf16-mixed,fp8-mixed \
+      --no-baseline       # fp8-mixed against bf16-mixed, interleaved; ratio and MFU per row
 
 backend suffixes: +compile (setup(compile=True)), +ckpt (activation checkpointing).
+backend options: --option KEY=VALUE (every accelkit row) or --option BACKEND:KEY=VALUE (that
+backend's rows), repeatable; values are read as JSON, else as text. An N-D mesh on fsdp:
+  accelkit bench --model mypkg.models:build --backends fsdp --nproc 4 \
+      --option fsdp:dp_shard=2 --option fsdp:tp=2 --option fsdp:tp_plan=auto
 'raw' and 'raw-ddp' name the raw-PyTorch baselines (added automatically unless --no-baseline);
 'raw+compile' adds raw torch.compile, the baseline of every +compile row (raw,raw+compile,cuda,
 cuda+compile puts accelkit's compile path beside raw torch.compile).
 MFU: 6 x non-embedding parameters (+ 12 L T d attention per token for the GPTs) against the peak
-printed under the table.
+printed under the table: a dense matmul in the row's compute dtype (bf16 for bf16-mixed, float8
+e4m3 _scaled_mm for fp8-mixed) measured at the start, or --peak-tflops for every row.
+--precision A,B,...: every accelkit row runs in each precision (the others labelled @B); a @B
+row's "vs" cell is its step time over the same row's in A, taken within each round.
 """
 
 DEFAULTS = {  # (steps, warmup, repeats) per built-in model
     "gpt2-small": (20, 5, 3),
+    "gpt-2048": (10, 5, 3),
     "tiny-gpt": (20, 3, 3),
     "mlp": (100, 10, 3),
 }
@@ -42,7 +52,7 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="gpt2-small, tiny-gpt, mlp, or package.module:factory (your model)",
+        help="gpt2-small, gpt-2048, tiny-gpt, mlp, or package.module:factory (your model)",
     )
     parser.add_argument(
         "--batch-factory",
@@ -55,11 +65,21 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         help="comma-separated backend names (default: cpu,ddp on the CPU, cuda,ddp,fsdp on a GPU)",
     )
     parser.add_argument(
-        "--precision", default=None, help="default: bf16-mixed on GPU, 32-true on CPU"
+        "--precision",
+        default=None,
+        help="default: bf16-mixed on GPU, 32-true on CPU; a comma-separated list compares "
+        "precisions (bf16-mixed,fp8-mixed: every accelkit row runs in each)",
     )
     parser.add_argument("--batch", type=int, default=None, help="samples per process and step")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (built-in GPTs)")
     parser.add_argument("--nproc", type=int, default=1, help="processes for distributed backends")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="[BACKEND:]KEY=VALUE",
+        help="a backend option (accelkit.get(name, KEY=VALUE)); repeatable",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before timing")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds")
@@ -126,11 +146,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from accelkit.benchmark import runner
 
+    try:
+        options, backend_options = split_options(args.option)
+    except ValueError as err:
+        print(f"accelkit bench: {err}", file=sys.stderr)
+        return 2
     device = runner.resolve_device(args.device)
+    try:
+        precisions = parse_precisions(
+            args.precision or ("bf16-mixed" if device == "cuda" else "32-true")
+        )
+    except ValueError as err:
+        print(f"accelkit bench: {err}", file=sys.stderr)
+        return 2
     steps, warmup, repeats = DEFAULTS.get(args.model, (20, 3, 3))
     config = runner.BenchConfig(
         model=args.model,
-        precision=args.precision or ("bf16-mixed" if device == "cuda" else "32-true"),
+        precision=precisions[0],
+        compare_precisions=precisions[1:],
         batch=args.batch or _default_batch(args),
         steps=args.steps or steps,
         warmup=warmup if args.warmup is None else args.warmup,
@@ -145,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         baseline=not args.no_baseline,
         timeout_s=args.timeout,
         threads=args.threads,
+        options=options,
+        backend_options=backend_options,
     )
     if min(config.steps, config.repeats, config.batch, config.nproc) < 1 or config.warmup < 0:
         print("accelkit bench: --steps, --repeats, --batch, --nproc must be >= 1", file=sys.stderr)
@@ -157,6 +192,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if unknown:  # before anything runs: a typo must not cost the whole benchmark
         print(f"accelkit bench: {unknown}", file=sys.stderr)
+        return 2
+    named = {name for _, name, _ in runner.parse_backends(backends)}
+    stray = sorted(set(backend_options) - named)
+    if stray:
+        print(
+            f"accelkit bench: --option names backend(s) {', '.join(map(repr, stray))}, which "
+            f"--backends does not run ({backends})",
+            file=sys.stderr,
+        )
         return 2
     from tqdm.auto import tqdm
 
@@ -177,6 +221,31 @@ def run(args: argparse.Namespace) -> int:
         plot(result, args.plot)
         print(f"chart: {args.plot}")
     return 0 if any(r["status"] == "ok" for r in result["results"]) else 1
+
+
+def parse_precisions(text: str) -> list[str]:
+    """``--precision bf16-mixed,fp8-mixed`` -> the canonical strings, each once, first the one
+    the raw baseline runs."""
+    from accelkit.precision import normalize_precision
+
+    precisions = [normalize_precision(p.strip()) for p in text.split(",") if p.strip()]
+    if not precisions:
+        raise ValueError("--precision is empty")
+    if len(set(precisions)) != len(precisions):
+        raise ValueError(f"--precision names a precision twice: {text!r}")
+    return precisions  # type: ignore[return-value]
+
+
+def split_options(texts: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``--option`` values -> (options of every row, {backend: its rows' options})."""
+    from accelkit.benchmark.runner import parse_option
+
+    common: dict[str, Any] = {}
+    per_backend: dict[str, dict[str, Any]] = {}
+    for text in texts:
+        backend, key, value = parse_option(text)
+        (common if backend is None else per_backend.setdefault(backend, {}))[key] = value
+    return common, per_backend
 
 
 def _default_batch(args: argparse.Namespace) -> int:
@@ -215,8 +284,11 @@ def render(result: dict[str, Any]) -> str:
         if peak.get("tflops_per_device")
         else f"unknown ({peak.get('how')})"
     )
+    precisions = ", ".join(
+        [cfg["precision"], *(f"@{p}" for p in cfg.get("compare_precisions", []))]
+    )
     lines = [
-        f"accelkit bench: {model['name']} ({model['description']}), {cfg['precision']}, "
+        f"accelkit bench: {model['name']} ({model['description']}), {precisions}, "
         f"batch {cfg['batch']} per process, {cfg['steps']} steps x {cfg['repeats']} interleaved "
         f"repeats after {cfg['warmup']} warm-up steps",
         f"{hw['device_name'] or hw['device']}; torch {result['versions']['torch']}, "
@@ -235,7 +307,7 @@ def render(result: dict[str, Any]) -> str:
         t = r["step_ms"]
         rate = r["tokens_per_s"] if model["seq_len"] else r["samples_per_s"]
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
-        over = r.get("overhead")
+        over = r.get("overhead") or r.get("vs_precision")
         vs = (
             f"{over['median']:.3f} [{over['min']:.3f}, {over['max']:.3f}]"
             + ("" if over["vs"] in ("raw", "raw-ddp") else f" vs {over['vs']}")

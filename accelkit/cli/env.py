@@ -228,12 +228,15 @@ def check_imports(backends: list[dict[str, Any]]) -> None:
 
 
 def collect() -> dict[str, Any]:
+    from accelkit.backends.mesh import support_report
+
     plugins, backends = plugins_and_backends()
     return {
         "versions": versions(),
         "devices": devices(),
         "plugins": plugins,
         "backends": backends,
+        "fsdp_mesh": support_report(),
     }
 
 
@@ -312,6 +315,12 @@ def render(report: dict[str, Any]) -> str:
         else:
             rows.append([entry["name"], status, detail])
     lines += _table_ragged(rows)
+    if report.get("fsdp_mesh"):
+        lines += [
+            "",
+            "fsdp mesh (N-D parallelism: accelkit.get('fsdp', dp_replicate=, dp_shard=, tp=))",
+        ]
+        lines += _table([[k, v] for k, v in report["fsdp_mesh"].items()])
     if any(e["status"] in (LIBRARY_MISSING, NOT_INSTALLED) for e in report["backends"]):
         lines += ["", INSTALL_NOTE]
     return "\n".join(lines)

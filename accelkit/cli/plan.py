@@ -15,6 +15,14 @@ EPILOG = """\
 examples:
   accelkit plan --model gpt2-small --gpus 8 --gpu-memory 80GiB --precision bf16-mixed --batch 8
   accelkit plan mypkg.models:build --batch-factory mypkg.models:make_batch --gpus 4 --gpu-memory 24GiB
+  accelkit plan --model gpt2-small --gpus 8 --gpu-memory 24GiB --mesh    # which dp x tp fits
+
+--mesh adds a row per (dp_replicate, dp_shard, tp) mesh of the GPUs, labelled "fsdp mesh RxSxT":
+FSDP2 shards over dp_shard (replicated over dp_replicate), and tensor parallelism with
+tp_plan="auto" (the Linear layers named like a transformer block's q/k/v, o_proj, up/down,
+fc1/fc2, qkv/proj) divides those layers' parameters, gradients and optimizer state, and the
+activations between a column-wise and the next row-wise layer, by tp. --batch is per
+data-parallel rank: the tp ranks of a replica share it.
 
 Estimates are of torch.cuda.max_memory_allocated per GPU; the CUDA context (~0.5 GiB) and the
 caching allocator's slack are what --headroom (default 10%) leaves room for.
@@ -49,6 +57,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--headroom", type=float, default=0.1, help="fraction kept free (0.1)")
     parser.add_argument("--backends", default=None, help="only these (comma-separated)")
+    parser.add_argument(
+        "--mesh",
+        action="store_true",
+        help="also estimate fsdp on every dp_replicate x dp_shard x tp mesh of --gpus",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             batch_factory=args.batch_factory,
             backends=[b.strip() for b in args.backends.split(",")] if args.backends else None,
+            mesh=args.mesh,
         )
         if request.gpus < 1 or not 0 <= request.headroom < 1:
             raise ValueError("--gpus must be >= 1 and --headroom in [0, 1)")
