@@ -73,3 +73,35 @@ def train_and_save(path: str, backend: str = "cpu", steps: int = 3) -> dict[str,
     full = {k: v.detach().cpu().tolist() for k, v in accel.full_state_dict(model).items()}
     accel.end_training()
     return full
+
+
+def load_with_optimizer_job(
+    directory: str,
+    backend: str,
+    options: dict | None = None,
+    shim_path: str | None = None,
+) -> dict[str, Any]:
+    """``load_job`` for the backends that set up a model together with its optimizer (the
+    ZeRO-style ones partition the optimizer state by the parameters they own). ``shim_path``:
+    where FairScale's TEST-ONLY CPU shim lives (its FSDP drives CUDA streams otherwise)."""
+    import sys
+
+    from transformers import GPT2LMHeadModel
+
+    import accelkit
+
+    if shim_path:
+        sys.path.insert(0, shim_path)
+        import fairscale_cpu_shim
+
+        fairscale_cpu_shim.apply()
+    accel = accelkit.get(backend, **(options or {}))
+    torch.manual_seed(1)  # other weights: the load must replace every one
+    model = GPT2LMHeadModel(make_config()).eval()
+    model, _ = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    accel.load_pretrained(model, directory)
+    with torch.no_grad():
+        logits = model(tokens()).logits
+    out = {"logits": logits.float().tolist()}
+    accel.end_training()
+    return out

@@ -53,6 +53,28 @@ def test_two_ranks_load_the_same_weights(source, backend):
         assert result["logits"] == want
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["colossalai_zero", "fairscale_oss", "fairscale_fsdp_shim"])
+def test_zero_style_backends_load_with_their_optimizer_set_up(source, backend):
+    """ColossalAI's LowLevelZero and FairScale's OSS and FSDP (its TEST-ONLY CPU shim: FairScale
+    FSDP drives CUDA streams) on 2 ranks: the model, set up with its optimizer, gives the
+    Transformers model's logits bit for bit after the load."""
+    pytest.importorskip(backend.split("_")[0])
+    directory, want = source
+    shim = (
+        str(HERE.parent / "plugins" / "fairscale" / "tests") if backend.endswith("_shim") else None
+    )
+    ranks = run_ranks(
+        "pretrained_workers:load_with_optimizer_job",
+        {"directory": directory, "backend": backend.removesuffix("_shim"), "shim_path": shim},
+        nproc=2,
+        timeout=300,
+        path=[HERE],
+    )
+    for result in ranks:
+        assert result["logits"] == want
+
+
 def test_bf16_files_fill_fp32_weights(tmp_path):
     from transformers import GPT2LMHeadModel
 
