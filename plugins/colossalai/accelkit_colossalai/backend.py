@@ -596,8 +596,9 @@ class ColossalHybridBackend(ColossalAIBackend):
             cls.capabilities,
             no_sync=zero != 2,
             sharded=zero > 0 or options.tp_size > 1,
-            # tensor-parallel layouts are refused by the portable checkpoint (checkpoint.py)
-            portable_checkpoint=options.tp_size == 1,
+            # ZeRO over tensor-parallel pieces is refused by the portable checkpoint; a fused
+            # or padded parameter is refused at save, named (checkpoint.py)
+            portable_checkpoint=options.tp_size == 1 or zero == 0,
         )
 
     def check_device(self, device: torch.device) -> None:

@@ -15,13 +15,26 @@ kit writes and reads back (each rank its own ranges, at any world size; no gathe
   Gemini's own ``state_dict`` calls (a collective; rank 0 holds the whole model and optimizer
   state while it writes) and every tensor is marked ``"gathered": true`` in the manifest.
 
-Tensor-parallel layouts (``colossalai_hybrid`` with ``tp_size > 1``) are refused for now.
+- **Hybrid tensor parallel** (``tp_size > 1``, ZeRO 0): Shardformer's Linear1D_Col,
+  Linear1D_Row and vocabulary-parallel layers split a weight into ``tp_size`` equal pieces
+  along one dimension; rank ``i`` of the tensor-parallel group holds piece ``i``. A piece along
+  dimension 0 is one flat range of the original tensor: written (by the first data-parallel
+  replica) and read back as such, with its fp32 master and optimizer state. A piece along a later
+  dimension is not a range: the pieces are all-gathered over the tensor-parallel group, one
+  tensor at a time, and the whole tensor is written split across ranks (``"gathered": true``).
+  A fused parameter (GPT-2's q|k|v ``c_attn``: a "customized" distributed tensor, sharded by
+  ColossalAI's own functions) or a padded one (vocabulary rows the original does not have) is
+  not a set of pieces of the original tensor and is refused, named.
+
+ZeRO 1/2 under tensor parallelism (flat ranges of a piece) is refused for now.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +53,7 @@ from accelkit.sdk import (
     Slot,
     UnsupportedError,
     canonical_fqn,
+    check_shape,
     classify_state,
     decode,
     encode,
@@ -50,14 +64,52 @@ from accelkit.sdk import (
     match_module_entries,
     module_info,
     module_tensors,
+    new_state,
     optimizer_info,
     optimizer_load,
     optimizer_slot_fragments,
+    param_group_names,
     param_owners,
     read_slot,
     sharded_fragments,
+    slot_state_fragments,
+    tensor_fragments,
     weights_entry,
 )
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Piece ``index`` of ``parts`` equal pieces along ``dim`` of a tensor of ``shape``: what a
+    tensor-parallel rank holds of a Shardformer weight (and of its master and optimizer state)."""
+
+    shape: tuple[int, ...]
+    dim: int
+    index: int
+    parts: int
+    #: the fp32 master ColossalAI's AMP optimizer keeps of the piece; None: the weight is its own
+    master: torch.Tensor | None = None
+
+    @property
+    def is_range(self) -> bool:
+        """A piece along the first dimension of size > 1 is one flat range of the tensor."""
+        return math.prod(self.shape[: self.dim]) == 1
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        size = self.shape[self.dim] // self.parts
+        return full.narrow(self.dim, self.index * size, size)
+
+
+@dataclass
+class HybridLayout(Layout):
+    """A :class:`Layout` plus the tensor-parallel pieces (``tp_size > 1``), kept out of the slots:
+    a piece is not one flat range of the original tensor (see :class:`Piece`)."""
+
+    pieces: dict[int, Piece] = field(default_factory=dict)  # id(param) -> its piece
+    by_master: dict[int, Any] = field(default_factory=dict)  # id(master) -> param
+    tp_group: Any = None
+    #: the first data-parallel replica writes the pieces that are ranges (the others hold copies)
+    writes_pieces: bool = True
 
 
 def layout_of(backend: Any) -> Layout:
@@ -66,12 +118,13 @@ def layout_of(backend: Any) -> Layout:
     if wrapper is None:
         return Layout()
     base = backend.torch_optimizer(wrapper)
-    layout = Layout(wrapper=wrapper, base=base, module=backend.unwrap(backend.model))
-    if getattr(backend.options, "tp_size", 1) > 1:
+    layout = HybridLayout(wrapper=wrapper, base=base, module=backend.unwrap(backend.model))
+    tensor_parallel = getattr(backend.options, "tp_size", 1) > 1
+    if tensor_parallel and getattr(backend.options, "zero_stage", 0) > 0:
         raise UnsupportedError(
-            f"{backend.name}: the portable checkpoint does not read or write tensor-parallel "
-            "(tp_size > 1) layouts yet; save with tp_size=1, or use ColossalAI's own "
-            "booster.save_model/save_optimizer"
+            f"{backend.name}: the portable checkpoint does not read or write ZeRO "
+            f"(zero_stage={backend.options.zero_stage}) under tensor parallelism (tp_size > 1) "
+            "yet; use zero_stage=0, or ColossalAI's own booster.save_model/save_optimizer"
         )
     from colossalai.amp.naive_amp.mixed_precision_optimizer import MixedPrecisionOptimizer
     from colossalai.zero import LowLevelZeroOptimizer
@@ -99,49 +152,159 @@ def layout_of(backend: Any) -> Layout:
                 count = max(0, min(size, working.numel() - start))
                 layout.add(Slot(working, tuple(working.shape), start, count, master))
         return layout
+    masters: dict[Any, torch.Tensor] = {}
     if isinstance(wrapper, MixedPrecisionOptimizer):
         layout.kind = "master"
-        for master, working in wrapper.master_to_working_map.items():
-            layout.add(
-                Slot(working, tuple(working.shape), 0, working.numel(), master, replicated=True)
-            )
-        return layout
-    if getattr(backend.capabilities, "init_context", "") == "lazy":
+        masters = {w: m for m, w in wrapper.master_to_working_map.items()}
+    elif getattr(backend.capabilities, "init_context", "") == "lazy":
         # Shardformer models (colossalai_hybrid): parameters are matched by name, not by the
         # tensors their state_dict builds; the optimizer steps the working parameters
         layout.kind = "replica"
-        for group in base.param_groups:
-            for param in group["params"]:
-                layout.add(
-                    Slot(param, tuple(param.shape), 0, param.numel(), param, replicated=True)
-                )
+        masters = {p: p for group in base.param_groups for p in group["params"]}
+    if tensor_parallel:
+        _add_pieces(backend, layout, masters)
+    for working, master in masters.items():
+        if id(working) not in layout.pieces:
+            layout.add(
+                Slot(working, tuple(working.shape), 0, working.numel(), master, replicated=True)
+            )
     return layout
+
+
+def _add_pieces(backend: Any, layout: HybridLayout, masters: dict[Any, torch.Tensor]) -> None:
+    """Record each tensor-parallel parameter's piece; refuse what is not pieces of one tensor."""
+    import torch.distributed as dist
+    from colossalai.tensor.d_tensor import (
+        get_global_shape,
+        get_sharding_spec,
+        is_customized_distributed_tensor,
+        is_distributed_tensor,
+    )
+    from colossalai.tensor.padded_tensor import is_padded_tensor
+
+    group = backend.plugin.tp_group
+    parts, index = dist.get_world_size(group), dist.get_rank(group)
+    layout.tp_group, layout.writes_pieces = group, backend.data_parallel_rank == 0
+    refuse = (
+        f"{backend.name}: the portable checkpoint cannot save or load parameter {{name!r}} "
+        f"under tensor parallelism: {{why}}; save with ColossalAI's own "
+        "booster.save_model/save_optimizer (or train with tp_size=1)"
+    )
+    for name, param in layout.module.named_parameters():
+        if is_customized_distributed_tensor(param):
+            why = "ColossalAI shards it with its own functions (a fused layer, as GPT-2's q|k|v)"
+            raise UnsupportedError(refuse.format(name=name, why=why))
+        if is_padded_tensor(param):
+            why = "its rows are padded (vocab_size not a multiple of the padding)"
+            raise UnsupportedError(refuse.format(name=name, why=why))
+        if not is_distributed_tensor(param):
+            continue
+        shape = tuple(get_global_shape(param))
+        dims = [d % len(shape) for d, axes in get_sharding_spec(param).dim_partition_dict.items()]
+        expected = list(shape)
+        if len(dims) == 1:
+            expected[dims[0]] //= parts
+        if len(dims) != 1 or shape[dims[0]] % parts or tuple(param.shape) != tuple(expected):
+            why = f"its shard {list(param.shape)} is not one of {parts} pieces of {list(shape)}"
+            raise UnsupportedError(refuse.format(name=name, why=why))
+        master = masters.get(param)
+        separate = master if master is not None and master is not param else None
+        layout.pieces[id(param)] = Piece(shape, dims[0], index, parts, separate)
+        layout.by_master[id(master if master is not None else param)] = param
 
 
 def module_entries(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool, list[str]]]:
     """``module_tensors`` with every parameter resolved to the Parameter object itself.
 
     Shardformer's layers (``colossalai_hybrid``) build their ``state_dict`` entries as new
-    tensors, so the tensor a state dict holds for ``lm_head.weight`` is not the Parameter that
-    ColossalAI's optimizer maps to its master; the name is what links them.
+    tensors (gathered ones under tensor parallelism), so the tensor a state dict holds for
+    ``lm_head.weight`` is not the Parameter that ColossalAI's optimizer maps to its master; the
+    name is what links them.
     """
     params = {canonical_fqn(n): p for n, p in module.named_parameters(remove_duplicate=False)}
     for fqn, tensor, is_param, aliases in module_tensors(module):
         param = params.get(fqn)
-        if param is not None and tuple(param.shape) == tuple(tensor.shape):
+        if param is not None and _global_shape(param) == tuple(tensor.shape):
             yield fqn, param, True, aliases
         else:
             yield fqn, tensor, is_param, aliases
 
 
+def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A Shardformer piece's whole shape (its ``dist_layout``), else the parameter's own."""
+    dist_layout = getattr(param, "dist_layout", None)
+    return tuple(dist_layout.global_shape if dist_layout is not None else param.shape)
+
+
 # ---- writing ---------------------------------------------------------------------------------
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
-    """The layout's models and optimizers by flat range, Gemini's gathered, the rest dense."""
+    """The layout's models and optimizers by flat range (tensor-parallel pieces by piece),
+    Gemini's gathered, the rest dense."""
     layout = layout_of(backend)
     if layout.kind == "gathered":
         return _gathered_fragments(backend, state)
     write_optimizer = functools.partial(_optimizer_fragments, backend)
-    return sharded_fragments(backend, state, [layout], write_optimizer, entries=module_entries)
+    unsharded = None
+    if isinstance(layout, HybridLayout) and layout.pieces:
+        planner = ReplicaPlanner(backend.rank, backend.world_size)
+        unsharded = functools.partial(_piece_weights, layout, planner)
+    return sharded_fragments(
+        backend, state, [layout], write_optimizer, entries=module_entries, unsharded=unsharded
+    )
+
+
+def _piece_weights(
+    layout: HybridLayout,
+    planner: ReplicaPlanner,
+    obj: str,
+    fqn: str,
+    tensor: torch.Tensor,
+    meta: dict[str, Any],
+) -> Iterator[Fragment] | None:
+    """A tensor-parallel parameter's weights (and its fp32 master); None for any other."""
+    piece = layout.pieces.get(id(tensor))
+    if piece is None:
+        return None
+
+    def fragments() -> Iterator[Fragment]:
+        yield from _piece_fragments(obj, fqn, PARAM, piece, tensor, layout, planner, meta)
+        if piece.master is not None and piece.master.dtype != tensor.dtype:
+            yield from _piece_fragments(obj, fqn, MASTER, piece, piece.master, layout, planner)
+
+    return fragments()
+
+
+def _piece_fragments(
+    obj: str,
+    fqn: str,
+    kind: str,
+    piece: Piece,
+    local: torch.Tensor,
+    layout: HybridLayout,
+    planner: ReplicaPlanner,
+    meta: dict[str, Any] | None = None,
+) -> Iterator[Fragment]:
+    """One tensor of a piece's shape: its flat range where it is one (written by the first
+    data-parallel replica), else the whole tensor all-gathered over the tensor-parallel group
+    (a collective, decided by the shape alone so every rank takes it) and written split."""
+    import torch.distributed as dist
+
+    meta = dict(meta or {})
+    data = local.detach()
+    if piece.is_range:
+        flat = data.reshape(-1)
+        if layout.writes_pieces and flat.numel():
+            start = piece.index * flat.numel()
+            yield Fragment(obj, fqn, kind, piece.shape, start, flat, meta)
+        else:
+            yield Fragment(obj, fqn, kind, piece.shape, 0, flat[:0], meta)
+        return
+    data = data.contiguous()
+    gathered = [torch.empty_like(data) for _ in range(piece.parts)]
+    dist.all_gather(gathered, data, group=layout.tp_group)
+    meta["gathered"] = True
+    full = torch.cat(gathered, dim=piece.dim)
+    yield from tensor_fragments(obj, fqn, kind, full, planner, meta=meta)
 
 
 def _optimizer_fragments(
@@ -153,11 +316,15 @@ def _optimizer_fragments(
     planner: ReplicaPlanner,
 ) -> Iterator[Fragment | ObjectInfo]:
     by_master = layout.by_flat()
-    if any(id(m) not in by_master for group in opt.param_groups for m in group["params"]):
+    pieces = layout.by_master if isinstance(layout, HybridLayout) else {}
+    masters = [m for group in opt.param_groups for m in group["params"]]
+    if any(id(m) not in by_master and id(m) not in pieces for m in masters):
         raise CheckpointError(
             f"{backend.name}: optimizer {name!r} holds a tensor ColossalAI does not map "
             "to a model parameter; save the optimizer returned by accel.setup()"
         )
+    if pieces:
+        return _piece_optimizer_fragments(backend, name, opt, layout, owners, planner)
     return optimizer_slot_fragments(
         name,
         opt,
@@ -168,6 +335,67 @@ def _optimizer_fragments(
         rank=backend.rank,
         sharding=f"colossalai-{layout.kind}: each rank writes the flat range it holds",
         where=f"{backend.name}: ",
+    )
+
+
+def _piece_optimizer_fragments(
+    backend: Any,
+    name: str,
+    opt: torch.optim.Optimizer,
+    layout: HybridLayout,
+    owners: dict[int, tuple[str, str]],
+    planner: ReplicaPlanner,
+) -> Iterator[Fragment | ObjectInfo]:
+    """The optimizer under tensor parallelism: replicated parameters' state as slots, each
+    piece's state (shaped like the piece's master) through :func:`_piece_fragments`."""
+    by_master = layout.by_flat()
+    params = [
+        [
+            layout.by_master[id(m)] if id(m) in layout.by_master else by_master[id(m)].param
+            for m in group["params"]
+        ]
+        for group in opt.param_groups
+    ]
+    names, primary = param_group_names(params, owners)
+    scalar_state: dict[str, Any] = {}
+    where = f"{backend.name}: "
+    for group, row in zip(opt.param_groups, names):
+        for master, pname in zip(group["params"], row):
+            values = opt.state.get(master, {})
+            slot = by_master.get(id(master))
+            if slot is None:  # a piece: its tensors here, its 0-d and other values below
+                piece = layout.pieces[id(layout.by_master[id(master)])]
+                tensors = {
+                    k: v for k, v in values.items() if isinstance(v, torch.Tensor) and v.dim()
+                }
+                for key, value in tensors.items():
+                    if tuple(value.shape) != tuple(master.shape):
+                        raise CheckpointError(
+                            f"{where}optimizer state {key!r} of {pname} has shape "
+                            f"{list(value.shape)}, not its piece's {list(master.shape)}"
+                        )
+                    kind = OPTIM_PREFIX + key
+                    yield from _piece_fragments(name, pname, kind, piece, value, layout, planner)
+                values = {k: v for k, v in values.items() if k not in tensors}
+                slot = Slot(master, piece.shape, 0, 0, master)  # only its 0-d values remain
+            yield from slot_state_fragments(
+                name,
+                pname,
+                slot,
+                values,
+                planner,
+                rank=backend.rank,
+                scalar_state=scalar_state,
+                where=where,
+            )
+    yield optimizer_info(
+        name,
+        opt,
+        names,
+        primary,
+        scalar_state=scalar_state,
+        sharding="colossalai-tensor-parallel: each rank writes its pieces that are flat ranges; "
+        "the others are gathered over the tensor-parallel group",
     )
 
 
@@ -188,9 +416,31 @@ def load_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
 
 
 @torch.no_grad()
+def _read_piece(reader: Any, entry: Any, piece: Piece, target: torch.Tensor) -> None:
+    """Fill ``target`` (a piece's shape) with its piece of the saved whole tensor ``entry``."""
+    check_shape(reader, entry, piece.shape, "tensor-parallel parameter")
+    if piece.is_range:
+        count = target.numel()
+        start = piece.index * count
+        if target.is_contiguous():
+            reader.read_flat(entry, start, count, out=target.view(-1))
+        else:
+            target.copy_(reader.read_flat(entry, start, count).view(target.shape))
+        return
+    target.copy_(piece.cut(reader.read(entry)))  # not a range: read whole, cut the piece
+
+
+@torch.no_grad()
 def _load_module(reader: Any, name: str, module: torch.nn.Module, layout: Layout) -> None:
+    pieces = layout.pieces if isinstance(layout, HybridLayout) else {}
     for entry, tensor, is_param in match_module_entries(reader, name, module_entries(module)):
         source = weights_entry(reader, name, entry)
+        piece = pieces.get(id(tensor)) if is_param else None
+        if piece is not None:
+            _read_piece(reader, source, piece, tensor.data)
+            if piece.master is not None:
+                _read_piece(reader, source, piece, piece.master)
+            continue
         fill_tensor(reader, source, tensor.data if is_param else tensor)
         slot = layout.slots.get(id(tensor)) if is_param else None
         if slot is not None and slot.flat is not slot.param:
@@ -207,8 +457,10 @@ def _load_optimizer(
     owners: dict[int, tuple[str, str]],
 ) -> None:
     by_master = layout.by_flat()
+    piece_params = layout.by_master if isinstance(layout, HybridLayout) else {}
     params = [
-        [getattr(by_master.get(id(m)), "param", m) for m in g["params"]] for g in opt.param_groups
+        [piece_params.get(id(m), getattr(by_master.get(id(m)), "param", m)) for m in g["params"]]
+        for g in opt.param_groups
     ]
     saved = optimizer_load(reader, name, opt, opt.param_groups, params, owners)
     for group, row in zip(opt.param_groups, saved.names):
@@ -216,8 +468,20 @@ def _load_optimizer(
             entries, scalars = saved.per_param.get(pname, {}), saved.scalars.get(pname, {})
             if not entries and not scalars:
                 continue
-            slot, slot_state = by_master[id(master)], opt.state[master]
-            zero_d = load_slot_states(reader, slot, slot_state, entries, zero_rest=True)
+            slot_state = opt.state[master]
+            if id(master) in piece_params:
+                piece = layout.pieces[id(piece_params[id(master)])]
+                zero_d = {k: e for k, e in entries.items() if e.shape == ()}
+                for key, entry in entries.items():
+                    if key in zero_d:
+                        continue
+                    target = slot_state.get(key)
+                    if not isinstance(target, torch.Tensor) or target.shape != master.shape:
+                        target = slot_state[key] = new_state(master, entry)
+                    _read_piece(reader, entry, piece, target)
+            else:
+                slot = by_master[id(master)]
+                zero_d = load_slot_states(reader, slot, slot_state, entries, zero_rest=True)
             for key, entry in zero_d.items():
                 target = slot_state[key] = torch.zeros((), dtype=DTYPES_BY_NAME[entry.dtype])
                 fill_tensor(reader, entry, target)

@@ -404,3 +404,84 @@ def overflow_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
                 scales.append(accel.backend.state_dict()["colossalai_loss_scaler"]["scale"])
         out[job["name"]] = {"skipped": skipped, "norms": norms, "lrs": lrs, "scales": scales}
     return out
+
+
+# ---- colossalai_hybrid with tensor parallelism (tp_size=2) --------------------------------------
+def _tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    config = GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=4, n_positions=32)
+    return GPT2LMHeadModel(config)
+
+
+def _gathered_state(accel: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Whole weights and Adam state by parameter name, gathered WITHOUT accelkit's checkpoint
+    code: the module's state_dict (Shardformer's layers gather their pieces) and ColossalAI's own
+    ``gather_from_sharded_optimizer_state`` under tensor parallelism; torch's state dicts else."""
+    module = accel.unwrap(model)
+    names = {id(p): n for n, p in module.named_parameters()}
+    backend = accel.backend
+    tp_group = getattr(getattr(backend, "plugin", None), "tp_group", None)
+    if accel.name == "colossalai_hybrid":
+        base = backend.torch_optimizer(backend.optimizer)
+        from colossalai.checkpoint_io.hybrid_parallel_checkpoint_io import (
+            HybridParallelCheckpointIO,
+        )
+        from colossalai.tensor.d_tensor import get_global_shape, is_distributed_tensor
+    else:
+        base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    # bf16-true: the optimizer steps fp32 masters; ColossalAI maps each to its working piece
+    to_working = getattr(getattr(backend, "optimizer", None), "master_to_working_map", {})
+    optim = {}
+    for group in base.param_groups:
+        for param in group["params"]:
+            state = base.state.get(param, {})
+            working = to_working.get(param, param)
+            if accel.name == "colossalai_hybrid":
+                distributed = is_distributed_tensor(working)
+                shape = get_global_shape(working) if distributed else working.shape
+                state = HybridParallelCheckpointIO.gather_from_sharded_optimizer_state(
+                    state, param, shape, backend.plugin.dp_group, tp_group, False, False
+                )
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    optim[f"{names[id(working)]}.{key}"] = value.float().reshape(-1).tolist()
+    return {"params": _flat(module.state_dict()), "optim": optim}
+
+
+def hybrid_tp_ckpt_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Train 4 steps (saving after 2) or load and train the rest, with the gathered dumps."""
+    backend = job["backend"]
+    options = {"tp_size": 2, "zero_stage": 0} if backend == "colossalai_hybrid" else None
+    accel = accelkit.get(backend, options, precision=job.get("precision"))
+    net = _tiny_gpt2() if job.get("model") == "gpt2" else _tiny_llama()
+    model, optimizer = accel.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_tokens(), batch_size=2, shuffle=False), shuffle=False
+    )
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    result: dict[str, Any] = {"losses": []}
+    if job.get("model") == "gpt2":  # Shardformer's GPT-2 forward calls torch.cuda.set_device
+        accel.save(job["save_to"], state)
+        return result
+    if job.get("load_from"):
+        accel.load(job["load_from"], state)
+        result["after_load"] = _gathered_state(accel, model, optimizer)
+    for step, (ids,) in enumerate(loader, start=1):
+        loss = model(input_ids=ids, labels=ids).loss.float()
+        accel.backward(loss)
+        accel.step()
+        optimizer.zero_grad()
+        result["losses"].append(_mean(loss))
+        if job.get("save_to") and step == 2:
+            result["at_save"] = _gathered_state(accel, model, optimizer)
+            accel.save(job["save_to"], state)
+        if step == 4:
+            break
+    return result
+
+
+def hybrid_tp_ckpt_jobs(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ.setdefault("ACCELKIT_LOG_LEVEL", "WARNING")
+    return {job["name"]: _caught(hybrid_tp_ckpt_job, job) for job in jobs}

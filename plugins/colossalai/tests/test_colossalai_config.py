@@ -103,8 +103,8 @@ def test_capabilities_follow_the_plugin():
 
 
 def test_hybrid_capabilities_follow_tp_and_zero():
-    """Built without launching: tp_size > 1 has no portable checkpoint (refused at save), ZeRO-2
-    has no no_sync."""
+    """Built without launching: tp_size > 1 has a portable checkpoint only without ZeRO (ZeRO
+    over tensor-parallel pieces is refused at save), ZeRO-2 has no no_sync."""
     from accelkit_colossalai.backend import ColossalHybridBackend
     from accelkit_colossalai.options import HybridOptions
 
@@ -114,7 +114,9 @@ def test_hybrid_capabilities_follow_tp_and_zero():
         return ColossalHybridBackend("colossalai_hybrid", HybridOptions(**options), Settings())
 
     tp2, tp1, zero2 = caps(tp_size=2).capabilities, caps().capabilities, caps(zero_stage=2)
-    assert tp2.portable_checkpoint is False and tp2.sharded is True
+    assert tp2.portable_checkpoint is True and tp2.sharded is True
+    tp2_zero1 = caps(tp_size=2, zero_stage=1).capabilities
+    assert tp2_zero1.portable_checkpoint is False and tp2_zero1.sharded is True
     assert tp1.portable_checkpoint is True and tp1.no_sync is True and tp1.sharded is False
     assert zero2.capabilities.no_sync is False and zero2.capabilities.portable_checkpoint is True
 
@@ -123,6 +125,7 @@ def test_hybrid_capabilities_follow_tp_and_zero():
     "name,options",
     [
         ("colossalai_hybrid", {"tp_size": 2}),
+        ("colossalai_hybrid", {"tp_size": 2, "zero_stage": 1}),
         ("colossalai_hybrid", {"zero_stage": 2}),
         ("colossalai_hybrid", {}),
         ("colossalai_zero", {"stage": 2}),
@@ -144,7 +147,9 @@ def test_describe_and_the_running_backend_report_the_same_capabilities(name, opt
     described = accelkit.describe(name, **options)["capabilities"]
     assert described == dataclasses.asdict(built.capabilities)
     if options == {"tp_size": 2}:
-        assert described["portable_checkpoint"] is False and described["sharded"] is True
+        assert described["portable_checkpoint"] is True and described["sharded"] is True
+    if options == {"tp_size": 2, "zero_stage": 1}:
+        assert described["portable_checkpoint"] is False
     if options.get("stage") == 2 or options.get("zero_stage") == 2:
         assert described["no_sync"] is False
 
