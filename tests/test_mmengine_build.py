@@ -360,6 +360,7 @@ def gan_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop("gan_project", None)
 
 
+@pytest.mark.slow  # plain MMEngine's own run, the reference side: 15-30 s
 def test_plain_mmengine_builds_the_multi_optimizer_config(tmp_path: Path) -> None:
     """The config is valid MMEngine: its Runner builds an OptimWrapperDict from it."""
     (tmp_path / "gan_project.py").write_text(GAN_PROJECT)
