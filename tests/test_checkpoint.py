@@ -590,10 +590,12 @@ def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path, asyn
     step = 0
     while kills < KILLS:
         step += 1
-        assert step <= 4 * KILLS, f"only {kills} SIGKILLs landed in {step - 1} saves"
+        assert step <= 6 * KILLS, f"only {kills} SIGKILLs landed in {step - 1} saves"
         before = (parent / "latest").read_text().strip()
-        _, killed = run(step, rng.uniform(0, duration * 1.2))
+        took, killed = run(step, rng.uniform(0, duration * 1.2))
         kills += killed
+        if not killed:  # the machine got faster than the warm-up said: aim at the saves it makes
+            duration = min(duration, took)
         latest = (parent / "latest").read_text().strip()
         assert latest in (before, f"step-{step}")
         got = _check_complete(parent)  # through the pointer
