@@ -70,8 +70,8 @@ def get(
         max_grad_value=max_grad_value,
     )
     settings = backend_cls.resolve_settings(name, backend_options, settings)
-    # again here: a backend's own resolve_settings (one reconciling a native config) may not
-    # check, and a precision it does not list must not run as something else
+    # here, after resolve_settings (a native config may name the precision): a precision the
+    # backend does not list must not run as something else
     check_precision_supported(
         name, settings.precision or "32-true", backend_cls.capabilities_for(backend_options)
     )

@@ -189,10 +189,9 @@ class Backend:
     def resolve_settings(cls, name: str, options: Any, settings: Settings) -> Settings:
         """Final settings: precision from the explicit string, else the native config's, else
         32-true. Backends with a native config also reconcile accumulation and clipping here
-        (a disagreement is an error)."""
-        resolved = settings.precision or "32-true"
-        check_precision_supported(name, resolved, cls.capabilities_for(options))
-        return dataclasses.replace(settings, precision=resolved)
+        (a disagreement is an error). ``accelkit.get`` then checks the precision against
+        ``capabilities.precisions``, once, for every backend."""
+        return dataclasses.replace(settings, precision=settings.precision or "32-true")
 
     def __init__(self, name: str, options: Any, settings: Settings) -> None:
         self.name = name
