@@ -33,55 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from reference_gpt import GPT, flops_per_token, non_embedding_params
 
 
 # ---- the workload ---------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def matmul_params(model: nn.Module) -> int:
-    """Parameters that do matmul work: all but the embedding tables, which are lookups."""
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-
-
-def flops_per_token(n_params: int, layers: int, seq: int, width: int) -> float:
-    """6 x non-embedding parameters + 12 L T d attention (PaLM appendix B accounting)."""
-    return 6 * n_params + 12 * layers * seq * width
-
-
 # ---- the two sides --------------------------------------------------------------------------
 def build_raw(args: argparse.Namespace, device: torch.device, compile: bool) -> Any:
     """Raw FSDP2 by hand: build on the device, shard each block then the root."""
@@ -166,7 +121,9 @@ def run_config(args: argparse.Namespace, device: torch.device, compile: bool) ->
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     with torch.device("meta"):
-        n_params = matmul_params(GPT(args.vocab, args.width, args.layers, args.heads, args.seq))
+        n_params = non_embedding_params(
+            GPT(args.vocab, args.width, args.layers, args.heads, args.seq)
+        )
     sides = {
         "raw": build_raw(args, device, compile),
         "accelkit": build_accelkit(args, device, compile),

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from reference_gpt import GPT, GPT2_SMALL
 from torch import nn
 
 
@@ -58,48 +59,6 @@ class MLP(nn.Module):
         return F.mse_loss(self.net(x), y)
 
 
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """GPT-2-small-shaped decoder: 12 layers, width 768, 12 heads, seq 1024, vocab 50304."""
-
-    def __init__(
-        self,
-        vocab: int = 50304,
-        width: int = 768,
-        layers: int = 12,
-        heads: int = 12,
-        seq: int = 1024,
-    ) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
-
 def make_workload(
     name: str, batch: int, device: torch.device, seq: int
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -111,9 +70,10 @@ def make_workload(
         x = torch.randn(batch, width, generator=gen)
         y = torch.randn(batch, width, generator=gen)
     else:
-        model = GPT(seq=seq)
-        x = torch.randint(0, 50304, (batch, seq), generator=gen)
-        y = torch.randint(0, 50304, (batch, seq), generator=gen)
+        vocab, width, layers, heads, _ = GPT2_SMALL
+        model = GPT(vocab, width, layers, heads, seq)
+        x = torch.randint(0, vocab, (batch, seq), generator=gen)
+        y = torch.randint(0, vocab, (batch, seq), generator=gen)
     return model, (x.to(device), y.to(device))
 
 

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from reference_gpt import GPT, flops_per_token
 from torch import nn
 
 MAIN_MODES = ("raw", "fabric", "accelerate", "accelkit")
@@ -81,43 +82,6 @@ NEEDS = {
 
 
 # ---- the workloads --------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention (SDPA) and a 4x GELU MLP."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer with an untied head, returning the next-token cross-entropy."""
-
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
-
 class MLP(nn.Module):
     """4 x (Linear 256 -> 256, ReLU), MSE loss: so little compute that per-step overhead shows."""
 
@@ -195,12 +159,6 @@ def param_counts(model: nn.Module) -> dict[str, int]:
     }
 
 
-def flops_per_token(non_embedding: int, layers: int, seq: int, width: int) -> int:
-    """Training FLOPs per token: 6 N (N without embeddings) + 12 L T d for attention."""
-    return 6 * non_embedding + 12 * layers * seq * width
-
-
-# ---- the sides ----------------------------------------------------------------------------------
 @dataclass
 class Side:
     mode: str

@@ -88,6 +88,7 @@ def load_peers(monkeypatch: pytest.MonkeyPatch) -> Any:
     spec = importlib.util.spec_from_file_location("peers_bench", PEERS)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "peers_bench", module)  # its dataclasses look it up
+    monkeypatch.syspath_prepend(str(PEERS.parent))  # its sibling bench/reference_gpt.py
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
