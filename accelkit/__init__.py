@@ -10,11 +10,11 @@ Heavy pieces load lazily: ``import accelkit`` imports torch and nothing of any b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING
 
 from accelkit.hookspecs import hookimpl
+from accelkit.lazy import lazy_getattr
+from accelkit.version import __version__
 
 _LAZY = {
     "get": "accelkit.api",
@@ -84,12 +84,4 @@ if TYPE_CHECKING:
     from accelkit.seed import seed_everything
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'accelkit' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

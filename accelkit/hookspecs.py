@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from accelkit.registry import BackendRegistry
+    from accelkit.backend_specs import BackendRegistry
 
 PROJECT_NAME = "accelkit"
 

@@ -32,8 +32,9 @@ imports a backend library.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
 SDK_VERSION = "1.2"
@@ -399,14 +400,8 @@ if TYPE_CHECKING:
     from accelkit.registry import pip_install
 
 
-def __getattr__(name: str) -> Any:
-    """Load ``name`` from its core module on first access (keeps ``import accelkit.sdk`` cheap)."""
-    module = _SOURCES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'accelkit.sdk' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+#: load a name from its core module on first access (keeps ``import accelkit.sdk`` cheap)
+__getattr__ = lazy_getattr(__name__, _SOURCES, globals())
 
 
 def __dir__() -> list[str]:

@@ -193,7 +193,7 @@ def test_env_reports_missing_library_broken_plugin_and_known_plugins():
 def test_env_tells_installed_from_runnable_here(monkeypatch):
     """A backend that declares devices this machine lacks is installed but not runnable here,
     with the reason, in the JSON report and the text."""
-    from accelkit import registry
+    from accelkit import backend_specs, registry
     from accelkit.cli import env
     from accelkit.hookspecs import hookimpl
 
@@ -207,7 +207,7 @@ def test_env_tells_installed_from_runnable_here(monkeypatch):
                 devices_reason="its kernels are CUDA only",
             )
 
-    monkeypatch.setattr(registry, "device_available", lambda device: device == "cpu")
+    monkeypatch.setattr(backend_specs, "device_available", lambda device: device == "cpu")
     registry.reset()
     try:
         registry.register_plugin(NeedsGpu(), "needs-gpu")
@@ -436,7 +436,7 @@ def test_demo_unknown_backend_fails_with_the_registered_names(tmp_path):
 def demo_probes(monkeypatch):
     """In-process backends for the demo's up-front checks: one needs a GPU, one trains only
     transformer models, one records the order of the demo's setup calls. No CUDA here."""
-    from accelkit import registry
+    from accelkit import backend_specs, registry
     from accelkit.backends.single import SingleDeviceBackend
     from accelkit.hookspecs import hookimpl
 
@@ -468,7 +468,7 @@ def demo_probes(monkeypatch):
                 "probe_transformers_only", SingleDeviceBackend, models="a transformers model"
             )
 
-    monkeypatch.setattr(registry, "device_available", lambda device: device == "cpu")
+    monkeypatch.setattr(backend_specs, "device_available", lambda device: device == "cpu")
     for var in LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
     registry.reset()
