@@ -1,10 +1,19 @@
 """Checkpoint save/load throughput and memory: accelkit's portable format against torch.save /
 torch.load and torch.distributed.checkpoint (DCP), on the same state, in one run.
 
-The state is a stack of bias-free square Linear layers plus Adam's ``exp_avg`` and
-``exp_avg_sq`` (filled by one real step): ``--gb`` GB in total (params + optimizer state).
-Every repeat runs in a fresh subprocess that builds the state once, then, for each method in
-turn (the order rotates every repeat), times
+Two workloads (``--workload``):
+
+- ``square``: a stack of bias-free square Linear layers (2048 x 2048) plus Adam's ``exp_avg``
+  and ``exp_avg_sq``: a few hundred equal, large tensors;
+- ``gpt``: a GPT-2-small-shaped decoder (width 768, 12 heads, vocabulary 50304, tied
+  embeddings; as many blocks as ``--gb`` needs) with fused AdamW, so the state holds many
+  tensors of mixed sizes (the tied 154 MB embedding, 7 MB projections, 3 KB LayerNorm
+  vectors, the step counters), as a real model's does.
+
+Both are filled by one real optimizer step; ``--gb`` GB in total (params + optimizer state).
+Every repeat runs in a fresh subprocess that builds the state once, warms every method up on a
+tiny state (imports, planners, thread pools, pinned slots: first-call costs stay out), then,
+for each method in turn (the order rotates every repeat), times
 
 - **save** of model + optimizer state to ``--dir`` (each method's own layout; accelkit and DCP
   fsync their files by default, so the torch.save row fsyncs its file too, for the same
@@ -12,19 +21,30 @@ turn (the order rotates every repeat), times
 - **load** of that checkpoint back into the same live objects, in place (what a resume does),
   checked for correctness against values recorded before the state was scrambled.
 
+accelkit's saves print where their time went (:mod:`accelkit.checkpoint.profile`): prepare,
+plan, stage, write (copies, checksums and writes overlapped), fsync, gather, commit, and the
+writer threads' summed work. ``accelkit-async`` (asynchronous save) measures the training
+stall of the first save in the process (its staging is not pinned yet) apart from the steady
+state (saves 2-4, with training steps between them), the step time with no write in flight
+and while a write is in flight, and checks that a checkpoint written while training went on
+holds the state of the moment it was taken.
+
 Reported: GB/s as the median over
 repeats with the min-max spread; peak extra memory during the operation as (a) the process's
 peak RSS above its RSS before the call (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``; counts file pages a method maps), and (b) the peak of anonymous
 memory (``RssAnon``) sampled every 2 ms. Loads read from a warm page cache (dropping it needs
-root); every method gets the same.
+root); every method gets the same. ``bench/io_limits.py`` gives the machine's own limits
+(sequential write with fsync, page-cache read) to read these against.
 
     python bench/checkpoint_io.py                        # 1 GB, 3 repeats, state on CUDA if any
+    python bench/checkpoint_io.py --workload gpt --gb 2 --methods accelkit,accelkit-async,dcp,torch
     python bench/checkpoint_io.py --gb 2 --repeats 5 --dir /local/nvme --out ckpt.json
     python bench/checkpoint_io.py --nproc 8 --gb 8     # FSDP2-sharded over 8 ranks: accelkit vs DCP
 
-With ``--nproc N`` every layer is FSDP2-sharded over N ranks (torchrun), each rank saves and
-loads its shard, times cover the slowest rank, and memory is rank 0's.
+With ``--nproc N`` every layer (every block of the GPT) is FSDP2-sharded over N ranks
+(torchrun), each rank saves and loads its shard, times cover the slowest rank, and memory is
+rank 0's.
 """
 
 from __future__ import annotations
@@ -88,46 +108,85 @@ class _Peak:
         self.anon_extra = self.anon_peak - self.anon0
 
 
-def _build(gb: float, device: str, world: int = 1):
-    """The model and its Adam state; with ``world`` > 1 every layer is FSDP2-sharded."""
+def _build(gb: float, device: str, world: int = 1, workload: str = "square"):
+    """The model, its optimizer state after one step, and a training step; with ``world`` > 1
+    every layer (block) is FSDP2-sharded."""
     import torch
 
-    per_layer = WIDTH * WIDTH
-    layers = max(1, round(gb * 1e9 / 12 / per_layer))  # 4 bytes x (param + exp_avg + exp_avg_sq)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = torch.nn.Sequential(
-            *(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))
-        )
+    if workload == "gpt":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from reference_gpt import GPT, GPT2_SMALL
+
+        vocab, width, _, heads, seq = GPT2_SMALL
+        fixed = vocab * width + seq * width + 2 * width  # tied embedding, positions, final norm
+        per_block = 12 * width * width + 13 * width
+        layers = max(1, round((gb * 1e9 / 12 - fixed) / per_block))
+        with torch.device("meta"):
+            model = GPT(vocab, width, layers, heads, seq, tie_embeddings=True)
+        units = list(model.blocks)
+        batch = (8, seq) if device.startswith("cuda") else (1, 64)  # a CPU step stays short
+    else:
+        per_layer = WIDTH * WIDTH
+        layers = max(1, round(gb * 1e9 / 12 / per_layer))  # 4 bytes x (param, 2 moments)
+        with torch.device("meta"):
+            model = torch.nn.Sequential(
+                *(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))
+            )
+        units = list(model)
+        batch = (8, WIDTH)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(torch.device(device).type, (world,))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
+    if workload == "gpt" and world == 1:
+        model.head.weight = model.tok.weight  # to_empty leaves the tie; restate it plainly
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
-    model(torch.randn(2, WIDTH, device=device)).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    if workload == "gpt":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        idx = torch.randint(0, GPT2_SMALL[0], batch, generator=gen).to(device)
+
+        inputs, targets = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+        def step() -> None:
+            model(inputs, targets).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+        x = torch.randn(*batch, device=device)
+
+        def step() -> None:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    step()
     nbytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # global sizes
-    return model, opt, nbytes
+    return model, opt, nbytes, step
 
 
 def _fingerprint(model, opt) -> list[float]:
-    """A few values of this rank's parameters and optimizer state."""
+    """A few values of every parameter and optimizer-state tensor this rank holds."""
     out = []
     for p in model.parameters():
         state = opt.state[p]
         local = p.to_local() if hasattr(p, "to_local") else p
         avg = state["exp_avg"]
         avg = avg.to_local() if hasattr(avg, "to_local") else avg
-        out += [float(local.reshape(-1)[7]), float(avg.reshape(-1)[-3]), float(state["step"])]
+        flat, avg = local.reshape(-1), avg.reshape(-1)
+        out += [float(flat[7 % max(1, flat.numel())]) if flat.numel() else 0.0]
+        out += [float(avg[-3 % max(1, avg.numel())]) if avg.numel() else 0.0]
+        out += [float(state["step"])]
     return out
 
 
@@ -226,25 +285,83 @@ def _load(method: str, model, opt, path: Path, device: str) -> None:
         raise ValueError(method)
 
 
-def _steps_while_writing(model, background) -> float | None:
-    """The median time (ms) of a forward+backward step of ``model`` while the background save
-    is still writing (None if it finished before one step)."""
-    import torch
+def _timed_step(step, device: str) -> float:
+    started = time.perf_counter()
+    step()
+    _sync(device)
+    return (time.perf_counter() - started) * 1e3
 
-    times = []
-    first = next(model.parameters())
-    x = torch.randn(8, first.shape[-1], device=first.device, dtype=first.dtype)
-    while background.pending() is not None and len(times) < 50:
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _breakdown() -> dict[str, Any] | None:
+    from accelkit.checkpoint.profile import last_save
+
+    profile = last_save()
+    return profile.as_dict() if profile is not None else None
+
+
+def measure_async(model, opt, step, nbytes: int, args) -> dict[str, Any]:
+    """The asynchronous save as training sees it: the first save's stall (staging not yet
+    pinned), then three saves in the steady state with training steps between them; the step
+    time with no write in flight and while one is; then the last checkpoint, written while
+    training changed the state, must load back to the state of the moment it was taken."""
+    from accelkit.checkpoint import background
+
+    result: dict[str, Any] = {"method": "accelkit-async", "bytes": nbytes}
+    idle = [_timed_step(step, args.device) for _ in range(5)]
+    stalls, wholes, during, first_during, breakdowns = [], [], [], [], []
+    for i in range(4):
+        path = Path(args.dir) / f"async-{i}"
+        if i:
+            idle += [_timed_step(step, args.device) for _ in range(3)]
+        expected = _fingerprint(model, opt)
+        _sync(args.device)
         started = time.perf_counter()
-        model(x).float().square().mean().backward()
-        _sync(str(first.device.type))
-        times.append((time.perf_counter() - started) * 1e3)
-    model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2] if times else None
+        _save("accelkit-async", model, opt, path)
+        _sync(args.device)
+        stalls.append(time.perf_counter() - started)
+        steps = []
+        while background.pending() is not None and len(steps) < 200:
+            steps.append(_timed_step(step, args.device))
+        background.wait()
+        wholes.append(time.perf_counter() - started)
+        (during if i else first_during).extend(steps)
+        breakdowns.append(_breakdown())
+    result["stall_first_s"] = stalls[0]
+    result["stall_s"] = _median(stalls[1:])
+    result["stalls"] = stalls
+    result["save_s"] = _median(wholes[1:])
+    result["save_first_s"] = wholes[0]
+    result["step_ms_idle"] = _median(idle)
+    result["step_ms_during_write"] = _median(during)
+    result["steps_during_write"] = len(during)
+    result["step_ms_during_first_write"] = _median(first_during)
+    result["breakdown"] = breakdowns[-1]
+    _scramble(model, opt)
+    _sync(args.device)
+    started = time.perf_counter()
+    _load("accelkit", model, opt, path, args.device)
+    _sync(args.device)
+    result["load_s"] = time.perf_counter() - started
+    result["correct"] = _fingerprint(model, opt) == expected
+    result.update(save_rss_extra=None, save_anon_extra=None)
+    result.update(load_rss_extra=None, load_anon_extra=None)
+    _sync(args.device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for i in range(4):
+            shutil.rmtree(Path(args.dir) / f"async-{i}", ignore_errors=True)
+    _sync(args.device)
+    return result
 
 
-def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -> dict[str, Any]:
+def measure(method: str, model, opt, step, nbytes: int, args) -> dict[str, Any]:
     """Save, scramble, load back: one method on the live state."""
+    if method == "accelkit-async":
+        return measure_async(model, opt, step, nbytes, args)
+    expected = _fingerprint(model, opt)
     path = Path(args.dir) / f"{method}-ckpt"
     result: dict[str, Any] = {"method": method, "bytes": nbytes}
     if method == "torch":  # the same write without durability, for reference
@@ -257,13 +374,9 @@ def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -
         started = time.perf_counter()
         _save(method, model, opt, path)
         _sync(args.device)
-        if method == "accelkit-async":  # the training loop's stall, then the whole save
-            from accelkit.checkpoint import background
-
-            result["stall_s"] = time.perf_counter() - started
-            result["step_ms_during_write"] = _steps_while_writing(model, background)
-            background.wait()
         result["save_s"] = time.perf_counter() - started
+    if method.startswith("accelkit"):
+        result["breakdown"] = _breakdown()
     result.update(save_rss_extra=peak.rss_extra, save_anon_extra=peak.anon_extra)
     _scramble(model, opt)
     _sync(args.device)
@@ -284,6 +397,32 @@ def measure(method: str, model, opt, nbytes: int, expected: list[float], args) -
     return result
 
 
+def _warm_up(methods: list[str], args) -> None:
+    """Each method saves and loads a tiny state once: imports, planners, thread pools and
+    pinned slots are made outside the timings (the async staging is not: its first save is
+    measured as such)."""
+    import torch
+
+    model = torch.nn.Linear(64, 64).to(args.device)
+    if torch.distributed.is_initialized():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        world = torch.distributed.get_world_size()
+        fully_shard(model, mesh=init_device_mesh(torch.device(args.device).type, (world,)))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 64, device=args.device)).sum().backward()
+    opt.step()
+    for method in dict.fromkeys("accelkit" if m.startswith("accelkit") else m for m in methods):
+        path = Path(args.dir) / f"warmup-{method}"
+        _save(method, model, opt, path)
+        _load(method, model, opt, path, args.device)
+        _sync(args.device)
+        if int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        _sync(args.device)
+
+
 def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One repeat: build the state once, then measure each method in the given order."""
     import warnings
@@ -299,8 +438,7 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.set_device(rank)
             args.device = f"cuda:{rank}"
         torch.distributed.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-    model, opt, nbytes = _build(args.gb, args.device, world)
-    expected = _fingerprint(model, opt)
+    model, opt, nbytes, step = _build(args.gb, args.device, world, args.workload)
     # imports and process-group plumbing happen once, outside the timings
     import torch.distributed.checkpoint
     import torch.distributed.checkpoint.state_dict
@@ -308,7 +446,9 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
     import accelkit.checkpoint  # noqa: F401
 
     _accel()
-    results = [measure(m, model, opt, nbytes, expected, args) for m in args.worker.split(",")]
+    methods = args.worker.split(",")
+    _warm_up(methods, args)
+    results = [measure(m, model, opt, step, nbytes, args) for m in methods]
     if world > 1:
         flags = [None] * world
         torch.distributed.all_gather_object(flags, [r["correct"] for r in results])
@@ -329,9 +469,64 @@ def _mb(values: list[Any]) -> str:
     return f"{statistics.median(values) / 2**20:8.0f}" if values else "     n/a"
 
 
+def _print_async(rs: list[dict[str, Any]], sync: list[dict[str, Any]] | None, out: dict) -> None:
+    """The asynchronous save against the synchronous one of the same repeat: first and
+    steady-state stalls, and the step time while a write is in flight."""
+
+    def mid(values: list[float]) -> tuple[float, float, float]:
+        values = sorted(v for v in values if v is not None)
+        return (statistics.median(values), values[0], values[-1]) if values else (0, 0, 0)
+
+    for key, label in (("stall_first_s", "first save"), ("stall_s", "steady state")):
+        stall = mid([r[key] for r in rs])
+        out[key] = stall
+        line = f"  stall, {label:13s} {stall[0]:7.3f} s [{stall[1]:.3f}-{stall[2]:.3f}]"
+        if sync:
+            share = mid([r[key] / s["save_s"] for r, s in zip(rs, sync)])
+            out[key.replace("_s", "_share")] = share
+            line += (
+                f" = {100 * share[0]:.1f}% of a synchronous save "
+                f"[{100 * share[1]:.1f}-{100 * share[2]:.1f}]"
+            )
+        print(line)
+    idle = mid([r["step_ms_idle"] for r in rs])
+    during = mid([r["step_ms_during_write"] for r in rs])
+    ratio = mid(
+        [r["step_ms_during_write"] / r["step_ms_idle"] for r in rs if r["step_ms_during_write"]]
+    )
+    out.update(step_ms_idle=idle, step_ms_during_write=during, step_ratio=ratio)
+    print(
+        f"  training step {idle[0]:.1f} ms with no write in flight, {during[0]:.1f} ms during "
+        f"a steady-state write: {ratio[0]:.3f}x [{ratio[1]:.3f}-{ratio[2]:.3f}] "
+        f"({sum(r['steps_during_write'] for r in rs)} steps); whole save "
+        f"{mid([r['save_s'] for r in rs])[0]:.2f} s (first {mid([r['save_first_s'] for r in rs])[0]:.2f} s)"
+    )
+
+
+def _print_breakdown(label: str, rs: list[dict[str, Any]]) -> None:
+    """Median seconds per phase of accelkit's save (the threads' summed work after the bar)."""
+    phases: dict[str, list[float]] = {}
+    work: dict[str, list[float]] = {}
+    for r in rs:
+        for k, v in r["breakdown"]["phases"].items():
+            phases.setdefault(k, []).append(v)
+        for k, v in r["breakdown"]["thread_work"].items():
+            work.setdefault(k, []).append(v)
+    text = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
+    text += " | threads: " + " ".join(f"{k} {statistics.median(v):.3f}" for k, v in work.items())
+    tensors = rs[0]["breakdown"]["tensors"]
+    print(f"  {label} save breakdown (s, {tensors} tensors): {text}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="state size: params + Adam state")
+    parser.add_argument(
+        "--workload",
+        choices=("square", "gpt"),
+        default="square",
+        help="square Linear layers, or a GPT-2-small-shaped decoder with tied embeddings",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -377,7 +572,7 @@ def main() -> int:
                 port = sock.getsockname()[1]
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}"]
             cmd += ["--master-addr=127.0.0.1", f"--master-port={port}", __file__]
-        cmd += ["--worker", ",".join(order), "--gb", str(args.gb)]
+        cmd += ["--worker", ",".join(order), "--gb", str(args.gb), "--workload", args.workload]
         cmd += ["--dir", str(workdir), "--device", args.device]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -390,11 +585,15 @@ def main() -> int:
             if not result["correct"]:
                 raise SystemExit(f"{method}: the loaded state differs from the saved one")
             runs[method].append(result)
-            print(
+            line = (
                 f"repeat {repeat} {method:9s} save {result['save_s']:6.2f} s  "
-                f"load {result['load_s']:6.2f} s",
-                flush=True,
+                f"load {result['load_s']:6.2f} s"
             )
+            if method == "accelkit-async":
+                line += f"  stall first {result['stall_first_s']:.3f} s, then " + ", ".join(
+                    f"{x:.3f}" for x in result["stalls"][1:]
+                )
+            print(line, flush=True)
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -405,7 +604,8 @@ def main() -> int:
     size = runs[methods[0]][0]["bytes"] / 1e9
     print()
     print(
-        f"state {size:.2f} GB (params + Adam exp_avg, exp_avg_sq; fp32) on {args.device}; "
+        f"workload {args.workload}: state {size:.2f} GB (params + Adam exp_avg, exp_avg_sq; "
+        f"fp32) on {args.device}; "
         f"{args.nproc} rank(s){' (FSDP2-sharded)' if args.nproc > 1 else ''}; "
         f"dir {base}; {args.repeats} interleaved repeats; torch {torch.__version__}; "
         f"{os.cpu_count()} CPUs; {platform.node()}"
@@ -437,15 +637,9 @@ def main() -> int:
             f"  {_mb([r['load_rss_extra'] for r in rs])} {_mb([r['load_anon_extra'] for r in rs])}"
         )
         if method == "accelkit-async":
-            stalls = sorted(r["stall_s"] for r in rs)
-            summary[method]["stall_s"] = [stalls[len(stalls) // 2], stalls[0], stalls[-1]]
-            steps = [r["step_ms_during_write"] for r in rs if r.get("step_ms_during_write")]
-            print(
-                f"{'  training stall':26s} {sorted(r['stall_s'] for r in rs)[len(rs) // 2]:8.3f} s "
-                f"(median; whole save {sorted(r['save_s'] for r in rs)[len(rs) // 2]:.3f} s); "
-                f"step during the write: "
-                + (f"{sorted(steps)[len(steps) // 2]:.1f} ms" if steps else "n/a")
-            )
+            _print_async(rs, runs.get("accelkit"), summary[method])
+        if method.startswith("accelkit") and rs and rs[0].get("breakdown"):
+            _print_breakdown(label, rs)
         if method == "torch":
             nofsync = _summary(rs, "save_nofsync_s")
             summary["torch"]["save_nofsync_gbps"] = nofsync

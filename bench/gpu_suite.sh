@@ -6,7 +6,7 @@
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
 #        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
-#        [oom] [pretrainedgpu] [mmamp] [fp8]
+#        [oom] [pretrainedgpu] [mmamp] [fp8] [ckptio] [ckptab]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -79,6 +79,19 @@ for p in "$@"; do
     checkpoint)
       part checkpoint
       timeout 75 python3 bench/checkpoint_io.py --out "$OUTDIR/checkpoint.json" 2>&1 | tail -20 | tee "$OUTDIR/checkpoint.log" ;;
+    ckptio)
+      # the machine's limits, then both workloads (square Linears, GPT-2-shaped), each inside its own timeout
+      part ckptio
+      timeout 60 python3 bench/io_limits.py --gb 2 --out "$OUTDIR/io-limits.json" 2>&1 | tee "$OUTDIR/io-limits.log"
+      for w in square gpt; do
+        timeout 200 python3 bench/checkpoint_io.py --workload $w --gb 2 --repeats 3 \
+          --methods accelkit,accelkit-async,dcp,torch --out "$OUTDIR/ckpt-$w.json" 2>&1 | tee "$OUTDIR/ckpt-$w.log" | grep -v -i warn
+      done ;;
+    ckptab)
+      # A/B: the same GPT workload with early writeback off (what the breakdown's fsync share costs)
+      part ckptab
+      ACCELKIT_NO_EARLY_WRITEBACK=1 timeout 120 python3 bench/checkpoint_io.py --workload gpt --gb 2 --repeats 3 \
+        --methods accelkit,dcp --out "$OUTDIR/ckpt-gpt-nowb.json" 2>&1 | tee "$OUTDIR/ckpt-gpt-nowb.log" | grep -v -i warn ;;
     fairscale)
       part fairscale
       timeout 150 torchrun --nproc-per-node 1 plugins/fairscale/bench/fsdp_step_time.py > "$OUTDIR/fairscale.log" 2>&1

@@ -8,7 +8,10 @@ ranks' records, agreeing on errors) run on a gloo group of their own, so they ne
 with the training loop's collectives on the default group.
 
 The snapshot buffer is kept and reused: one per process, as large as the largest rank file
-saved so far (pinned when the state is on a GPU, so the device-to-host copies run at full speed).
+saved so far (pinned when the state is on a GPU, so the device-to-host copies run at full
+speed). Pinning takes far longer than copying, so the first save of a GPU state snapshots into
+spare device memory instead, where there is room, and the buffer is pinned in the background
+after that save is written (:func:`snapshot`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ _lock = threading.Lock()
 _pending: _Save | None = None
 _group: Any = None
 _buffer: torch.Tensor | None = None
+_grow_to = 0  # bytes of pinned staging the next save wants (set by a device-side snapshot)
 
 
 class _Save:
@@ -89,26 +93,75 @@ def commit_group() -> Any:
     return _group
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _device_has_room(items: list[tuple[str, torch.Tensor]]) -> bool:
+    """Whether every GPU holding part of the state has twice that part free (driver-free plus
+    the caching allocator's unused blocks): a device-side copy then cannot starve training."""
+    need: dict[torch.device, int] = {}
+    for _, tensor in items:
+        if tensor.device.type == "cuda":
+            need[tensor.device] = need.get(tensor.device, 0) + _nbytes(tensor)
+    for device, nbytes in need.items():
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if free + cached < 2 * nbytes:
+            return False
+    return True
+
+
 def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
-    """Copies of ``tensors`` in one reused host buffer (pinned for device tensors)."""
-    global _buffer
+    """Copies of ``tensors`` that training cannot change, made as fast as the hardware allows:
+
+    - into the process's pinned host buffer, when it is large enough (every save after the
+      first): the stall is the device-to-host copy alone;
+    - else, for a state on a GPU with room to spare, into device memory (a copy at the
+      device's bandwidth); the background thread writes from there, frees it, and then pins
+      the host buffer for the next save, so the first save does not stall on pinning;
+    - else into the host buffer, (re)allocated now (pinned for device tensors).
+    """
+    global _buffer, _grow_to
     from accelkit.checkpoint.safetensors_io import LazyTensor
 
-    items = [(k, t.fetch() if isinstance(t, LazyTensor) else t) for k, t in tensors]
-    sizes = [t.numel() * t.element_size() for _, t in items]
-    total = sum(-(-n // 64) * 64 for n in sizes)  # each copy 64-byte aligned
+    items = [(k, t.fetch() if isinstance(t, LazyTensor) else t.detach()) for k, t in tensors]
+    total = sum(-(-_nbytes(t) // 64) * 64 for _, t in items)  # each copy 64-byte aligned
     on_device = any(t.device.type == "cuda" for _, t in items)
-    if _buffer is None or _buffer.numel() < total or (on_device and not _buffer.is_pinned()):
+    ready = _buffer is not None and _buffer.numel() >= total
+    ready = ready and (not on_device or _buffer.is_pinned())
+    if on_device and not ready and _device_has_room(items):
+        out = [(k, t.clone(memory_format=torch.contiguous_format).reshape(-1)) for k, t in items]
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        _grow_to = max(_grow_to, total)
+        return out
+    if not ready:
+        _buffer = None  # release the old one before pinning a larger one
         _buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_device)
     out, offset = [], 0
-    for (key, tensor), nbytes in zip(items, sizes):
+    for key, tensor in items:
+        nbytes = _nbytes(tensor)
         host = _buffer[offset : offset + nbytes].view(tensor.dtype)
-        host.copy_(tensor.detach().reshape(-1), non_blocking=tensor.device.type == "cuda")
+        host.copy_(tensor.reshape(-1), non_blocking=tensor.device.type == "cuda")
         out.append((key, host))
         offset += -(-nbytes // 64) * 64
     if on_device:
-        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
     return out
+
+
+def grow_staging() -> None:
+    """Pin the host buffer a device-side snapshot asked for (in the background thread, after
+    that snapshot is written), so the next save copies straight into pinned memory."""
+    global _buffer, _grow_to
+    if _grow_to and (_buffer is None or _buffer.numel() < _grow_to or not _buffer.is_pinned()):
+        _buffer = None
+        _buffer = torch.empty(_grow_to, dtype=torch.uint8, pin_memory=True)
+    _grow_to = 0
 
 
 def _at_exit() -> None:

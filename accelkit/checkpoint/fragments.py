@@ -557,13 +557,14 @@ def load_dense_fragments(
     """Fill the modules and torch optimizers of ``state`` (all, or ``names``) from ``reader``."""
     objects = classify_state(state)
     wanted = set(names) if names is not None else None
-    for name, module in objects.modules.items():
-        if wanted is None or name in wanted:
-            load_module(reader, name, user_module(module, backend))
-    owners = param_owners(objects.modules, backend)
-    for name, opt in objects.optimizers.items():
-        if wanted is None or name in wanted:
-            load_optimizer(reader, name, opt, owners)
+    with reader.parallel_reads():  # every target is only filled here, so reads may overlap
+        for name, module in objects.modules.items():
+            if wanted is None or name in wanted:
+                load_module(reader, name, user_module(module, backend))
+        owners = param_owners(objects.modules, backend)
+        for name, opt in objects.optimizers.items():
+            if wanted is None or name in wanted:
+                load_optimizer(reader, name, opt, owners)
 
 
 def load_module(reader: CheckpointReader, name: str, module: torch.nn.Module) -> None:

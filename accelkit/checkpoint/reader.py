@@ -23,7 +23,10 @@ import logging
 import math
 import os
 import threading
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +125,8 @@ class CheckpointReader:
         self._stages: list[torch.Tensor | None] = [None, None]
         self._lane: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._reads: list[Future] | None = None  # inside parallel_reads(): reads in flight
+        self._local = threading.local()  # each thread's reusable verification buffer
         self.check_files()
 
     def __enter__(self) -> CheckpointReader:
@@ -257,6 +262,33 @@ class CheckpointReader:
             self._pool = ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 2)))
         return self._pool
 
+    @contextmanager
+    def parallel_reads(self) -> Iterator[None]:
+        """Inside this scope, whole-fragment reads into contiguous destinations that need no
+        checksum (the load's validate phase checked them all) run on the reader's threads,
+        several at once, and return at once; the scope's end waits for them all and raises the
+        first error. Destinations must not be read or written inside the scope (the default
+        dense loader only fills them)."""
+        outer, self._reads = self._reads, []
+        self._followed: set[torch.device] = set()
+        failed: BaseException | None = None
+        try:
+            yield
+        except BaseException as err:
+            failed = err
+            raise
+        finally:
+            reads, self._reads = self._reads, outer
+            for future in reads:
+                try:
+                    future.result()
+                except BaseException as err:
+                    failed = failed or err
+            if failed is not None and not isinstance(failed, Exception):
+                raise failed
+        if failed is not None:
+            raise failed
+
     def finish(self) -> None:
         """Wait for background checksums; raise on the first fragment that failed."""
         pending, self._pending = self._pending, []
@@ -274,8 +306,8 @@ class CheckpointReader:
         rank_file, offset, stored = self._locate(entry, frag)
         element = torch.empty((), dtype=stored).element_size()
         hasher = new_hasher(frag.algorithm)
-        buffer = bytearray(min(CHUNK_BYTES, max(1, frag.numel * element)))
-        view = memoryview(buffer)
+        view = self._thread_buffer(min(CHUNK_BYTES, max(1, frag.numel * element)))
+        buffer = view
         remaining, position = frag.numel * element, offset
         try:
             while remaining:
@@ -293,6 +325,14 @@ class CheckpointReader:
             raise self._checksum_error(entry, frag, digest)
         with self._lock:
             self._verified.add((frag.file, frag.key))
+
+    def _thread_buffer(self, nbytes: int) -> memoryview:
+        """This thread's reusable read buffer, at least ``nbytes`` (a fresh zeroed buffer per
+        fragment would cost more than the read)."""
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._local.buffer = bytearray(max(nbytes, min(CHUNK_BYTES, 4 << 20)))
+        return memoryview(buffer)
 
     # ---- lookup -------------------------------------------------------------------------------
     def entry(self, obj: str, kind: str, fqn: str) -> TensorEntry | None:
@@ -403,6 +443,20 @@ class CheckpointReader:
         whole = a == 0 and b == frag.numel
         direct = dst.device.type == "cpu" and dst.dtype == stored and dst.is_contiguous()
         path = self.directory / frag.file
+        if self._reads is not None and not verify and dst.is_contiguous():
+            to_gpu = dst.device.type == "cuda" and dst.dtype == stored
+            if direct or to_gpu:
+                if to_gpu and dst.device not in self._followed:
+                    from accelkit.checkpoint.staging import device_slots
+
+                    # the copies start after the work already queued on this thread's stream
+                    device_slots(self._workers()._max_workers).follow_current_stream(dst.device)
+                    self._followed.add(dst.device)
+                start = offset + a * element
+                self._reads.append(
+                    self._workers().submit(self._read_task, path, rank_file.fd, start, dst, entry)
+                )
+                return
         try:
             if direct and (whole or not verify):
                 view = tensor_bytes(dst)
@@ -423,6 +477,40 @@ class CheckpointReader:
             if digest != frag.digest:
                 raise self._checksum_error(entry, frag, digest)
             self._verified.add((frag.file, frag.key))
+
+    def _read_task(
+        self, path: Path, fd: int, offset: int, dst: torch.Tensor, entry: TensorEntry
+    ) -> None:
+        """One read of :meth:`parallel_reads`, on a reader thread: straight into a CPU
+        destination, or through pinned slots into a GPU one (each slot's copy overlapping the
+        next slot's read)."""
+        try:
+            if dst.device.type == "cpu":
+                _pread_into(fd, tensor_bytes(dst), offset)
+                return
+            from accelkit.checkpoint.staging import device_slots
+
+            slots = device_slots(self._workers()._max_workers)
+            flat = dst.view(-1).view(torch.uint8)
+            step = slots.slot_bytes
+            held: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
+            try:
+                for lo in range(0, flat.numel(), step):
+                    hi = min(flat.numel(), lo + step)
+                    if len(held) > 1:
+                        slot, event = held.popleft()
+                        event.synchronize()
+                        slots.release(slot)
+                    slot = slots.acquire()
+                    _pread_into(fd, tensor_bytes(slot[: hi - lo]), offset + lo)
+                    held.append((slot, slots.copy_to(slot[: hi - lo], flat[lo:hi])))
+            finally:
+                while held:
+                    slot, event = held.popleft()
+                    event.synchronize()
+                    slots.release(slot)
+        except OSError as err:
+            raise CheckpointError(f"{path}: {err} (tensor {entry.label})") from err
 
     def _staged(
         self,

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,16 +93,24 @@ def write_file(
     progress: Any = None,
     flat: bool = True,
     checksum: str = "sha256",
+    profile: Any = None,
 ) -> dict[str, str]:
     """Write ``(key, tensor)`` pairs into a safetensors file; return key -> digest (``checksum``
     names the algorithm, see :mod:`accelkit.checkpoint.digest`).
 
     With ``flat`` each tensor is stored 1-D (shape ``[numel]``; the manifest keeps the real
     shapes), else with its own shape. Every tensor's offset is known from the header, so the
-    pool's threads write (``pwrite``) and hash the tensors in parallel; device tensors and
-    :class:`LazyTensor` are brought to the host one at a time, with at most a few copies in
-    flight. ``progress`` (a tqdm bar) is advanced by the bytes written.
+    pool's threads write (``pwrite``) and hash the tensors in parallel. A device tensor streams
+    through pinned staging slots (:mod:`accelkit.checkpoint.staging`, reused across saves) in
+    pieces, each piece's copy overlapping the previous piece's write; a :class:`LazyTensor` is
+    fetched one at a time, with at most a few in flight. Each written range is handed to the
+    kernel's writeback at once, so the disk works while the rest is produced and the final
+    ``fsync`` waits for the tail only. ``progress`` (a tqdm bar) is advanced by the bytes
+    written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
+    spent per kind of work.
     """
+    from accelkit.checkpoint import staging
+
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -122,33 +131,55 @@ def write_file(
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=2)
     jobs: list[tuple[str, Future, int]] = []
-    device_copies: deque[Future] = deque()
+    lazy_in_flight: deque[Future] = deque()
+    slots = None
+    followed: set[torch.device] = set()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
         for key, item in tensors:
-            tensor = item.fetch() if isinstance(item, LazyTensor) else item
-            if tuple(tensor.shape) != tuple(item.shape) or tensor.dtype != item.dtype:
-                raise ValueError(
-                    f"{key}: fetched {tensor.dtype} {list(tensor.shape)}, "
-                    f"announced {item.dtype} {list(item.shape)}"
-                )
-            host = _to_host(tensor)
-            view = tensor_bytes(host)
             begin = data_start + header[key]["data_offsets"][0]
-            future = pool.submit(_write_and_hash, fd, view, begin, host, checksum)
-            jobs.append((key, future, view.nbytes))
-            if isinstance(item, LazyTensor) or host.data_ptr() != tensor.data_ptr():
-                device_copies.append(future)
-                while len(device_copies) > _MAX_IN_FLIGHT:  # bound host copies
-                    device_copies.popleft().result()
+            if isinstance(item, LazyTensor):
+                tensor = item.fetch()
+                if tuple(tensor.shape) != tuple(item.shape) or tensor.dtype != item.dtype:
+                    raise ValueError(
+                        f"{key}: fetched {tensor.dtype} {list(tensor.shape)}, "
+                        f"announced {item.dtype} {list(item.shape)}"
+                    )
+            else:
+                tensor = item
+            tensor = tensor.detach()
+            if tensor.device.type == "cuda" and tensor.numel():
+                if slots is None:
+                    slots = staging.device_slots(pool._max_workers)
+                if tensor.device not in followed:  # copies start after the work queued so far
+                    slots.follow_current_stream(tensor.device)
+                    followed.add(tensor.device)
+                future = pool.submit(
+                    _stream_device_tensor, fd, tensor, begin, slots, checksum, profile
+                )
+            else:
+                host = _to_host(tensor)
+                view = tensor_bytes(host)
+                future = pool.submit(_write_and_hash, fd, view, begin, host, checksum, profile)
+            nbytes = tensor.numel() * tensor.element_size()
+            jobs.append((key, future, nbytes))
+            if isinstance(item, LazyTensor):
+                lazy_in_flight.append(future)
+                while len(lazy_in_flight) > _MAX_IN_FLIGHT:  # bound fetched copies
+                    lazy_in_flight.popleft().result()
         digests = {}
         for key, future, nbytes in jobs:
             digests[key] = future.result()
             if progress is not None:
                 progress.update(nbytes)
         if fsync:
+            started = time.perf_counter()
             os.fsync(fd)
+            if profile is not None:
+                profile.phases["fsync"] = profile.phases.get("fsync", 0.0) + (
+                    time.perf_counter() - started
+                )
         return digests
     finally:
         os.close(fd)
@@ -163,16 +194,84 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _write_and_hash(
-    fd: int, view: memoryview, offset: int, keepalive: torch.Tensor, checksum: str
+    fd: int,
+    view: memoryview,
+    offset: int,
+    keepalive: torch.Tensor,
+    checksum: str,
+    profile: Any = None,
 ) -> str:
     """Runs in a pool thread: both calls release the GIL."""
     from accelkit.checkpoint.digest import digest as digest_of
+    from accelkit.checkpoint.staging import start_writeback
 
+    started = time.perf_counter()
     if view.nbytes:
         _pwrite_all(fd, view, offset)
+        start_writeback(fd, offset, view.nbytes)
+    written = time.perf_counter()
     digest = digest_of(checksum, view)
+    if profile is not None:
+        profile.add_work("pwrite", written - started)
+        profile.add_work("checksum", time.perf_counter() - written)
     del keepalive  # the host copy lives until its bytes are written and hashed
     return digest
+
+
+def _stream_device_tensor(
+    fd: int, tensor: torch.Tensor, offset: int, slots: Any, checksum: str, profile: Any
+) -> str:
+    """Runs in a pool thread: ``tensor`` (on a GPU) goes to the file piece by piece through two
+    pinned slots, the next piece's copy running while this one is written and hashed."""
+    from accelkit.checkpoint.digest import hasher as new_hasher
+    from accelkit.checkpoint.staging import start_writeback
+
+    hasher = new_hasher(checksum)
+    flat = tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else None
+    if flat is None:
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    total = flat.numel()
+    step = slots.slot_bytes
+    pieces = [(lo, min(total, lo + step)) for lo in range(0, total, step)]
+    held: deque[tuple[Any, Any, int, int]] = deque()
+
+    def issue(lo: int, hi: int) -> None:
+        started = time.perf_counter()
+        slot = slots.acquire()
+        event = slots.copy(flat[lo:hi], slot)
+        held.append((slot, event, lo, hi))
+        if profile is not None:
+            profile.add_work("copy", time.perf_counter() - started)
+
+    def drain_one() -> None:
+        slot, event, lo, hi = held.popleft()
+        started = time.perf_counter()
+        event.synchronize()
+        copied = time.perf_counter()
+        view = tensor_bytes(slot[: hi - lo])
+        _pwrite_all(fd, view, offset + lo)
+        start_writeback(fd, offset + lo, hi - lo)
+        written = time.perf_counter()
+        hasher.update(view)
+        slots.release(slot)
+        if profile is not None:
+            profile.add_work("copy", copied - started)
+            profile.add_work("pwrite", written - copied)
+            profile.add_work("checksum", time.perf_counter() - written)
+
+    try:
+        for lo, hi in pieces:
+            issue(lo, hi)
+            if len(held) > 1:
+                drain_one()
+        while held:
+            drain_one()
+    finally:
+        while held:  # an error: give the slots back once their copies are done
+            slot, event, _, _ = held.popleft()
+            event.synchronize()
+            slots.release(slot)
+    return hasher.hexdigest()
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:

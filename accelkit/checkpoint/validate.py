@@ -18,6 +18,7 @@ corrupted model. So :func:`accelkit.checkpoint.load` runs in two phases:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from accelkit.errors import CheckpointError
 
 
 # ---- checksums, split over the ranks ------------------------------------------------------------
-def verify_share(reader: Any, rank: int, world: int, workers: int = 4) -> None:
+def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
     """Check the checksums of this rank's share of all fragments (every ``world``-th one, from
     ``rank``), several at once; raise naming the first that failed and how many did."""
     jobs = [(entry, i) for entry in reader.manifest.tensors for i in range(len(entry.fragments))][
@@ -49,7 +50,8 @@ def verify_share(reader: Any, rank: int, world: int, workers: int = 4) -> None:
     if not jobs:
         return
     problems: list[CheckpointError] = []
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+    workers = min(workers, os.cpu_count() or 2, len(jobs))
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for future in [pool.submit(reader.verify_fragment, e, i) for e, i in jobs]:
             try:
                 future.result()

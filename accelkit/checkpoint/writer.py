@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from accelkit import distributed
+from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint import storage
 from accelkit.checkpoint.codec import drop_callables, encode
@@ -224,7 +225,11 @@ def _plan_rank(
 
 
 def _write_planned(
-    path: Path, record: dict[str, Any], to_write: list[tuple[str, Any]], checksum: str
+    path: Path,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    checksum: str,
+    profile: profiling.SaveProfile | None = None,
 ) -> dict[str, Any]:
     """Write a planned rank file (the tensors of ``to_write``) and complete its record."""
     rank = record["rank"]
@@ -239,6 +244,7 @@ def _write_planned(
             {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)},
             pool=pool,
             checksum=checksum,
+            profile=profile,
         )
     for rec in out:
         rec["digest"] = digests.get(rec["key"], "")
@@ -380,8 +386,9 @@ def save(
     background (:mod:`accelkit.checkpoint.background`)."""
     from accelkit.checkpoint import background
 
-    started = time.perf_counter()
     background.wait()  # the save in flight commits (or raises) before this one starts
+    started = time.perf_counter()
+    profile = profiling.SaveProfile(asynchronous=asynchronous)
     check_algorithm(checksum)
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
@@ -399,14 +406,15 @@ def save(
     counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
 
     token, error = None, None
-    if rank == 0:
-        try:
-            token = storage.prepare(path)
-        except Exception as err:
-            error = err
-    agree(error, f"saving {path}")
-    token = distributed.broadcast_object(token, 0)
-    sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token))
+    with profile.phase("prepare"):
+        if rank == 0:
+            try:
+                token = storage.prepare(path)
+            except Exception as err:
+                error = err
+        agree(error, f"saving {path}")
+        token = distributed.broadcast_object(token, 0)
+        sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token))
     if not all(sees):
         blind = [r for r, ok in enumerate(sees) if not ok]
         raise CheckpointError(
@@ -417,16 +425,18 @@ def save(
 
     planned, error = None, None
     try:
-        record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
+        with profile.phase("plan"):
+            record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
         if asynchronous:
-            to_write = background.snapshot(to_write)
+            with profile.phase("stage"):
+                to_write = background.snapshot(to_write)
         planned = (record, to_write)
     except Exception as err:
         error = err
     agree(error, f"saving {path}")
     assert planned is not None
     job = (backend, counters, path, *planned, list(state), step)
-    options = {"checksum": checksum, "exclude_frozen": exclude_frozen}
+    options = {"checksum": checksum, "exclude_frozen": exclude_frozen, "profile": profile}
     options.update(latest=latest, keep_last=keep_last, started=started)
     if asynchronous:
         group = background.commit_group()
@@ -457,28 +467,41 @@ def _write_and_commit(
     latest: bool,
     keep_last: int | None,
     started: float,
+    profile: profiling.SaveProfile,
 ) -> None:
     """Every rank writes its file; rank 0 builds the manifest and commits (collective on
     ``group``)."""
     rank = record["rank"]
+    profile.tensors = len(to_write)
+    profile.nbytes = sum(t.numel() * t.dtype.itemsize for _, t in to_write)
     error = None
-    try:
-        record = _write_planned(path, record, to_write, checksum)
-    except Exception as err:
-        error = err
-    agree(error, f"saving {path}", group)
-    records = _gather_to_rank0(record, group)
-
-    error = None
-    if rank == 0:
+    with profile.phase("write"):
         try:
-            manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
-            if exclude_frozen:
-                manifest.data["excluded_frozen"] = True
-            finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
+            record = _write_planned(path, record, to_write, checksum, profile)
         except Exception as err:
             error = err
-    agree(error, f"saving {path}", group)
+    profile.phases["write"] -= profile.phases.get("fsync", 0.0)  # fsync is its own phase
+    to_write.clear()  # a snapshot's device copies are released as soon as they are written
+    with profile.phase("gather"):
+        agree(error, f"saving {path}", group)
+        records = _gather_to_rank0(record, group)
+
+    error = None
+    with profile.phase("commit"):
+        if rank == 0:
+            try:
+                manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
+                if exclude_frozen:
+                    manifest.data["excluded_frozen"] = True
+                finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
+            except Exception as err:
+                error = err
+        agree(error, f"saving {path}", group)
+    profiling.record(profile)
+    if profile.asynchronous:  # pin the next save's staging now, off the training thread
+        from accelkit.checkpoint import background
+
+        background.grow_staging()
     if rank == 0:
         size = sum(r["file"]["bytes"] for r in records)
         elapsed = time.perf_counter() - started
