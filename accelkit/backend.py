@@ -1,7 +1,9 @@
 """The backend protocol: what a plugin implements, and the defaults torch-native backends share.
 
 The :class:`~accelkit.accelerator.Accelerator` calls only the methods of :class:`Backend` and
-branches only on :class:`Capabilities`, never on a backend's name.
+branches only on :class:`Capabilities`, never on a backend's name. This is the bottom layer
+(docs/architecture.md, "Layers"): it imports nothing of the checkpoint package; the default of
+the checkpoint hooks is installed from there (:class:`CheckpointDefaults`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -134,6 +136,39 @@ class SetupResult:
 
     model: torch.nn.Module
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+
+
+class CheckpointDefaults(Protocol):
+    """What :class:`Backend`'s three checkpoint hooks run unless a backend overrides them.
+
+    The portable format lives above this protocol (it imports :class:`Backend`, never the
+    reverse), so its dense default, :mod:`accelkit.checkpoint.dense`, is installed here by
+    the checkpoint package when it loads; every save and load goes through that package."""
+
+    def local_fragments(self, backend: Backend, state: dict[str, Any]) -> Iterator[Any]: ...
+
+    def load_fragments(self, backend: Backend, reader: Any, state: dict[str, Any]) -> None: ...
+
+    def check_load(self, backend: Backend, reader: Any, state: dict[str, Any]) -> None: ...
+
+
+_checkpoint_defaults: CheckpointDefaults | None = None
+
+
+def set_checkpoint_defaults(defaults: CheckpointDefaults) -> None:
+    """Install the default of the checkpoint hooks (:mod:`accelkit.checkpoint` does, once)."""
+    global _checkpoint_defaults
+    _checkpoint_defaults = defaults
+
+
+def checkpoint_defaults() -> CheckpointDefaults:
+    """The installed default of the checkpoint hooks."""
+    if _checkpoint_defaults is None:
+        raise UnsupportedError(
+            "the portable checkpoint is not loaded: import accelkit.checkpoint before calling a "
+            "backend's checkpoint hooks"
+        )
+    return _checkpoint_defaults
 
 
 class Backend:
@@ -385,32 +420,31 @@ class Backend:
         self.precision.load_state_dict(state.get("precision", {}))
 
     def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
-        """Yield this rank's pieces of model, master and optimizer state (portable checkpoint)."""
-        from accelkit.checkpoint.fragments import dense_fragments
+        """Yield this rank's pieces of model, master and optimizer state (portable checkpoint).
 
-        return dense_fragments(self, state)
+        The default, for whole tensors (or DTensors) and torch optimizers, is
+        :func:`accelkit.checkpoint.dense.local_fragments`."""
+        return checkpoint_defaults().local_fragments(self, state)
 
     def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
         """Fill this rank's pieces of the objects in ``state`` from any checkpoint.
 
         Runs after :meth:`check_load` passed on every rank and every fragment's checksum was
-        verified, so only an I/O error should fail here."""
-        from accelkit.checkpoint.fragments import load_dense_fragments
-
-        load_dense_fragments(self, reader, state)
+        verified, so only an I/O error should fail here. The default is
+        :func:`accelkit.checkpoint.dense.load_fragments`."""
+        checkpoint_defaults().load_fragments(self, reader, state)
 
     def check_load(self, reader: Any, state: dict[str, Any]) -> None:
         """Hook: raise :class:`~accelkit.errors.CheckpointError` if :meth:`load_fragments`
         would not fit the models and optimizers of ``state``, writing nothing.
 
         The load's validate phase: keys (the ``strict`` rule), full shapes, each optimizer's
-        param groups, hyperparameter types and state keys. The default checks the tensors
+        param groups, hyperparameter types and state keys. The default
+        (:func:`accelkit.checkpoint.dense.check_load`) checks the tensors
         :func:`~accelkit.checkpoint.fqn.module_tensors` lists with their ``shape`` (a
         DTensor's is global) and the torch optimizers. A backend whose live tensors hide their
         full shape passes its own to :func:`~accelkit.checkpoint.validate.check_dense_load`."""
-        from accelkit.checkpoint.validate import check_dense_load
-
-        check_dense_load(self, reader, state)
+        checkpoint_defaults().check_load(self, reader, state)
 
     def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         """``accel.save(..., format="native")``: the backend library's own checkpoint format."""

@@ -26,7 +26,7 @@ import itertools
 import logging
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import (
@@ -41,10 +41,10 @@ from torch.utils.data import (
 from accelkit.errors import ConfigError
 from accelkit.seed import worker_init_fn
 
-if TYPE_CHECKING:
-    from accelkit.accelerator import Accelerator
-
 log = logging.getLogger("accelkit")
+
+#: the Accelerator that set the loader up (``Any``: the facade imports this module)
+_Accelerator = Any
 
 
 class ResumableSampler(Sampler[int]):
@@ -252,7 +252,7 @@ class AcceleratedDataLoader:
         self,
         loader: DataLoader,
         sampler: ResumableSampler | None,
-        accelerator: Accelerator,
+        accelerator: _Accelerator,
         move_to_device: bool,
     ) -> None:
         self.loader = loader

@@ -30,17 +30,17 @@ import signal
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from accelkit import distributed
 from accelkit.errors import ConfigError
 
-if TYPE_CHECKING:
-    from accelkit.accelerator import Accelerator
-
 log = logging.getLogger("accelkit")
+
+#: the Accelerator whose loop stops (``Any``: the facade imports this module)
+_Accelerator = Any
 
 #: what a cluster sends before it kills a job: SIGTERM (scancel, time limit, Kubernetes, spot
 #: instances) and SIGUSR1 (SLURM's configurable warning, ``--signal=USR1@<seconds>``)
@@ -173,7 +173,7 @@ class StopSignal:
 
 
 # ---- the Accelerator's side ----------------------------------------------------------------------
-def watcher_of(accel: Accelerator, *, install: bool = True) -> StopSignal:
+def watcher_of(accel: _Accelerator, *, install: bool = True) -> StopSignal:
     """The accelerator's :class:`StopSignal`, created with the default signals on first use."""
     watcher = accel._stop_signal
     if watcher is None:
@@ -184,7 +184,7 @@ def watcher_of(accel: Accelerator, *, install: bool = True) -> StopSignal:
 
 
 def stop_on_signals(
-    accel: Accelerator,
+    accel: _Accelerator,
     signals: Iterable[str | int | signal.Signals] | None = None,
     *,
     check_every: int = 1,
@@ -241,7 +241,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def auto_resume(
-    accel: Accelerator, directory: str | Path, state: dict[str, Any], **load_kwargs: Any
+    accel: _Accelerator, directory: str | Path, state: dict[str, Any], **load_kwargs: Any
 ) -> Path | None:
     """Load the newest complete checkpoint under ``directory`` into ``state``; None if none.
 

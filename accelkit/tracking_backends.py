@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from accelkit.errors import ConfigError, PluginMissingError
 
 if TYPE_CHECKING:
-    from accelkit.tracking import Histogram, Image
+    from accelkit.log_values import Histogram, Image
 
 log = logging.getLogger("accelkit")
 

@@ -18,10 +18,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from accelkit.errors import UnsupportedError
 
 if TYPE_CHECKING:
-    from accelkit.accelerator import Accelerator
     from accelkit.backend import Backend
 
 log = logging.getLogger("accelkit")
+
+#: the Accelerator whose step() the optimizer runs (``Any``: the facade imports this module)
+_Accelerator = Any
 
 
 def patch_forward(module: torch.nn.Module, backend: Backend) -> torch.nn.Module:
@@ -78,8 +80,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     torch optimizer, detached from the Accelerator, exactly what copying that optimizer gives.
     """
 
+    #: the checkpoint saves the optimizer inside (accelkit.checkpoint.fragments.inner_optimizer)
+    wraps_optimizer = True
+
     def __init__(
-        self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any
+        self, optimizer: torch.optim.Optimizer, accelerator: _Accelerator, model: Any
     ) -> None:
         # Optimizer.__init__ is not called on purpose: the state lives in ``optimizer``.
         self.__dict__["_optimizer"] = optimizer

@@ -20,8 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from accelkit.backend import set_checkpoint_defaults
+from accelkit.checkpoint import dense, storage
 from accelkit.checkpoint import rng as rng_io
-from accelkit.checkpoint import storage
 from accelkit.checkpoint.fqn import canonical_fqn
 from accelkit.checkpoint.fragments import (
     Fragment,
@@ -37,6 +38,9 @@ from accelkit.checkpoint.writer import agree, backend_of, save, was_agreed
 from accelkit.errors import CheckpointError, PartialLoadError
 
 log = logging.getLogger("accelkit")
+
+# Backend's checkpoint hooks default to the dense format (the protocol never imports it)
+set_checkpoint_defaults(dense)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -92,9 +92,10 @@ class StateObjects:
 
 
 def inner_optimizer(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    from accelkit.wrappers import AcceleratedOptimizer
-
-    while isinstance(opt, AcceleratedOptimizer):
+    """The optimizer inside the one ``setup`` returned. A class that wraps an optimizer says so
+    with ``wraps_optimizer = True`` and holds it as ``.optimizer`` (the facade's
+    ``AcceleratedOptimizer`` does), so the format needs no import of the facade."""
+    while getattr(type(opt), "wraps_optimizer", False):
         opt = opt.optimizer
     return opt
 
