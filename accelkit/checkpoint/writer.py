@@ -302,7 +302,7 @@ def _build_manifest(
         st_version = safetensors.__version__
     except (ImportError, AttributeError):  # pragma: no cover
         st_version = "?"
-    from accelkit import __version__
+    from accelkit.version import __version__
 
     data: dict[str, Any] = {
         "format": FORMAT,
