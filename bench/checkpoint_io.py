@@ -296,10 +296,10 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _breakdown() -> dict[str, Any] | None:
-    from accelkit.checkpoint.profile import last_save
+def _breakdown(what: str = "save") -> dict[str, Any] | None:
+    from accelkit.checkpoint.profile import last_load, last_save
 
-    profile = last_save()
+    profile = last_save() if what == "save" else last_load()
     return profile.as_dict() if profile is not None else None
 
 
@@ -386,6 +386,8 @@ def measure(method: str, model, opt, step, nbytes: int, args) -> dict[str, Any]:
         _sync(args.device)
         result["load_s"] = time.perf_counter() - started
     result.update(load_rss_extra=peak.rss_extra, load_anon_extra=peak.anon_extra)
+    if method.startswith("accelkit"):
+        result["load_breakdown"] = _breakdown("load")
     result["correct"] = _fingerprint(model, opt) == expected
     _sync(args.device)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -504,18 +506,25 @@ def _print_async(rs: list[dict[str, Any]], sync: list[dict[str, Any]] | None, ou
 
 
 def _print_breakdown(label: str, rs: list[dict[str, Any]]) -> None:
-    """Median seconds per phase of accelkit's save (the threads' summed work after the bar)."""
-    phases: dict[str, list[float]] = {}
-    work: dict[str, list[float]] = {}
-    for r in rs:
-        for k, v in r["breakdown"]["phases"].items():
-            phases.setdefault(k, []).append(v)
-        for k, v in r["breakdown"]["thread_work"].items():
-            work.setdefault(k, []).append(v)
-    text = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
-    text += " | threads: " + " ".join(f"{k} {statistics.median(v):.3f}" for k, v in work.items())
-    tensors = rs[0]["breakdown"]["tensors"]
-    print(f"  {label} save breakdown (s, {tensors} tensors): {text}")
+    """Median seconds per phase of accelkit's save and load (for the save, the writer threads'
+    summed work after the bar)."""
+    for key, what in (("breakdown", "save"), ("load_breakdown", "load")):
+        if not all(r.get(key) for r in rs):
+            continue
+        phases: dict[str, list[float]] = {}
+        work: dict[str, list[float]] = {}
+        for r in rs:
+            for k, v in r[key]["phases"].items():
+                phases.setdefault(k, []).append(v)
+            for k, v in r[key]["thread_work"].items():
+                work.setdefault(k, []).append(v)
+        text = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
+        if work:
+            text += " | threads: " + " ".join(
+                f"{k} {statistics.median(v):.3f}" for k, v in work.items()
+            )
+        extra = f", {rs[0][key]['tensors']} tensors" if what == "save" else ""
+        print(f"  {label} {what} breakdown (s{extra}): {text}")
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 from accelkit.backend import set_checkpoint_defaults
 from accelkit.checkpoint import dense, storage
+from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint.fqn import canonical_fqn
 from accelkit.checkpoint.fragments import (
@@ -150,25 +151,36 @@ def load_pretrained(
 def _load(
     backend: Any, path: Any, state: dict[str, Any], *, strict: bool, rng: bool, verify: bool
 ) -> dict[str, Any]:
-    directory = storage.resolve(path)
-    with CheckpointReader(directory, strict=strict, verify=verify) as reader:
-        return _load_from(backend, reader, state, rng=rng)
+    profile = profiling.SaveProfile()
+    with profile.phase("open"):
+        directory = storage.resolve(path)
+        reader = CheckpointReader(directory, strict=strict, verify=verify)
+    with reader:
+        unconsumed = _load_from(backend, reader, state, rng=rng, profile=profile)
+    profiling.record(profile, "load")
+    return unconsumed
 
 
 def _load_from(
-    backend: Any, reader: CheckpointReader, state: dict[str, Any], *, rng: bool
+    backend: Any,
+    reader: CheckpointReader,
+    state: dict[str, Any],
+    *,
+    rng: bool,
+    profile: profiling.SaveProfile | None = None,
 ) -> dict[str, Any]:
     """Validate everything (no live object is touched), agree across ranks, then commit."""
+    profile = profile or profiling.SaveProfile()
     error: BaseException | None = None
     try:
-        tensor_state, sections = _validate(backend, reader, state, rng=rng)
+        tensor_state, sections = _validate(backend, reader, state, rng=rng, profile=profile)
     except Exception as err:
         if was_agreed(err):  # every rank raises it already
             raise
         error = err
     agree(error, f"loading {reader.directory}")  # no rank writes unless every rank validated
     try:
-        return _commit(backend, reader, state, tensor_state, sections, rng=rng)
+        return _commit(backend, reader, state, tensor_state, sections, rng=rng, profile=profile)
     except Exception as err:
         raise PartialLoadError(
             f"loading {reader.directory} failed after it began writing ({type(err).__name__}: "
@@ -179,7 +191,12 @@ def _load_from(
 
 
 def _validate(
-    backend: Any, reader: CheckpointReader, state: dict[str, Any], *, rng: bool
+    backend: Any,
+    reader: CheckpointReader,
+    state: dict[str, Any],
+    *,
+    rng: bool,
+    profile: profiling.SaveProfile,
 ) -> tuple[dict[str, Any], Sections]:
     objects = classify_state(state)
     saved = reader.manifest.objects
@@ -201,18 +218,23 @@ def _validate(
             tensor_state[name] = obj
     error: BaseException | None = None
     try:
-        reader.check_headers()
-        if reader.verify:  # every fragment checked once, the work split over the ranks
-            verify_share(reader, backend.rank, backend.world_size)
+        with profile.phase("headers"):
+            reader.check_headers()
+        with profile.phase("verify"):
+            if reader.verify:  # every fragment checked once, the work split over the ranks
+                verify_share(reader, backend.rank, backend.world_size)
     except Exception as err:
         error = err
     # the checks so far are rank-local and may fail on one rank only; a backend's check_load may
     # run collectives (a sharded module's state_dict gathers), so every rank learns the outcome
     # first, or a rank that failed leaves the others waiting in that collective
-    agree(error, f"loading {reader.directory}")
-    if tensor_state:
-        backend.check_load(reader, tensor_state)
-    sections = read_sections(backend, reader, state, rng=rng)
+    with profile.phase("verify"):
+        agree(error, f"loading {reader.directory}")
+    with profile.phase("check"):
+        if tensor_state:
+            backend.check_load(reader, tensor_state)
+    with profile.phase("sections"):
+        sections = read_sections(backend, reader, state, rng=rng)
     return tensor_state, sections
 
 
@@ -224,12 +246,28 @@ def _commit(
     sections: Sections,
     *,
     rng: bool,
+    profile: profiling.SaveProfile,
 ) -> dict[str, Any]:
     objects = classify_state(state)
     reader.trust_verified()  # the validate phase checked every fragment (or verify=False)
-    if tensor_state:
-        backend.load_fragments(reader, tensor_state)
-    reader.finish()
+    with profile.phase("fill"):
+        if tensor_state:
+            backend.load_fragments(reader, tensor_state)
+        reader.finish()
+    with profile.phase("restore"):
+        return _restore(backend, reader, state, sections, objects, rng=rng)
+
+
+def _restore(
+    backend: Any,
+    reader: CheckpointReader,
+    state: dict[str, Any],
+    sections: Sections,
+    objects: Any,
+    *,
+    rng: bool,
+) -> dict[str, Any]:
+    """The commit's last part: the non-tensor state, in place."""
     for group in (objects.schedulers, objects.statefuls):
         for name, obj in group.items():
             if name in sections.states:

@@ -1,10 +1,10 @@
-"""Where a save's time goes: the phases on the caller's critical path, and the work the writer
-threads did beside it.
+"""Where a save's or a load's time goes: the phases on the caller's critical path, and the work
+the writer threads did beside it.
 
 :func:`last_save` returns the breakdown of this process's last completed save (an asynchronous
-save's once it has committed). ``bench/checkpoint_io.py`` prints it; a slow save on a new
-machine is diagnosed from it without a profiler. Recording costs two clock reads per phase and
-per tensor.
+save's once it has committed), :func:`last_load` the last load's. ``bench/checkpoint_io.py``
+prints them; a slow save on a new machine is diagnosed from them without a profiler. Recording
+costs two clock reads per phase and per tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ PHASES = (
     "fsync",  # the rank file's data reaches the disk
     "gather",  # every rank's records to rank 0, errors agreed
     "commit",  # extra.json and the manifest, fsync, rename, latest, rotation
+)
+#: the phases of a load (the validate phase's checks, then the commit's writes)
+LOAD_PHASES = (
+    "open",  # the manifest, every file present with its recorded size
+    "headers",  # every fragment's key, dtype, shape and range against its file's header
+    "verify",  # every checksum (this rank's share), then every rank agrees
+    "check",  # the backend's check_load: keys, shapes, optimizer groups
+    "sections",  # scheduler, stateful, extras, backend and RNG sections decoded
+    "fill",  # the backend's load_fragments: bytes into the live tensors
+    "restore",  # schedulers, statefuls, extras, backend state, RNG
 )
 #: work done on the writer threads, summed over threads (it overlaps the "write" phase)
 THREAD_WORK = ("copy", "pwrite", "checksum", "flush")
@@ -57,9 +67,13 @@ class SaveProfile:
     def total(self) -> float:
         return sum(self.phases.values())
 
+    def _ordered(self) -> dict[str, float]:
+        order = {name: i for i, name in enumerate((*PHASES, *LOAD_PHASES))}
+        return dict(sorted(self.phases.items(), key=lambda kv: order.get(kv[0], len(order))))
+
     def as_dict(self) -> dict[str, object]:
         return {
-            "phases": {k: self.phases.get(k, 0.0) for k in PHASES if k in self.phases},
+            "phases": self._ordered(),
             "thread_work": dict(self.thread_work),
             "bytes": self.nbytes,
             "tensors": self.tensors,
@@ -68,20 +82,24 @@ class SaveProfile:
 
     def summary(self) -> str:
         """One line: each phase's seconds, then the threads' summed work."""
-        phases = " ".join(f"{k} {self.phases[k]:.3f}" for k in PHASES if k in self.phases)
+        phases = " ".join(f"{k} {v:.3f}" for k, v in self._ordered().items())
         work = " ".join(f"{k} {v:.3f}" for k, v in sorted(self.thread_work.items()))
         return f"{phases} | threads: {work}" if work else phases
 
 
-_last: SaveProfile | None = None
+_last: dict[str, SaveProfile] = {}
 
 
-def record(profile: SaveProfile) -> None:
-    """The save that owns ``profile`` has completed."""
-    global _last
-    _last = profile
+def record(profile: SaveProfile, what: str = "save") -> None:
+    """The save (or load) that owns ``profile`` has completed."""
+    _last[what] = profile
 
 
 def last_save() -> SaveProfile | None:
     """The breakdown of this process's last completed save, or None."""
-    return _last
+    return _last.get("save")
+
+
+def last_load() -> SaveProfile | None:
+    """The breakdown of this process's last completed load, or None."""
+    return _last.get("load")

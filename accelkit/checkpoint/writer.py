@@ -237,7 +237,9 @@ def _write_planned(
     file_name = record["file"]["name"]
     file_path = storage.temp_dir(path) / file_name
     workers = max(1, min(8, (os.cpu_count() or 2)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    # an asynchronous save's threads yield the CPU to the training loop they run beside
+    initializer = _lower_priority if profile is not None and profile.asynchronous else None
+    with ThreadPoolExecutor(max_workers=workers, initializer=initializer) as pool:
         digests = write_file(
             file_path,
             to_write,
@@ -251,6 +253,16 @@ def _write_planned(
         rec["algorithm"] = checksum
     record["file"] = {"name": file_name, "bytes": file_path.stat().st_size}
     return record
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's scheduling priority (Linux: a thread is a task of its own)."""
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _build_manifest(
