@@ -58,6 +58,8 @@ log = logging.getLogger("accelkit")
 
 #: bytes per staged read (device destinations, casts, partial fragments, hashing-only reads)
 CHUNK_BYTES = 64 << 20
+#: reads to a GPU up to this size are batched with their neighbours in the file
+SMALL_READ_BYTES = 1 << 20
 
 
 @dataclass
@@ -271,6 +273,7 @@ class CheckpointReader:
         dense loader only fills them)."""
         outer, self._reads = self._reads, []
         self._followed: set[torch.device] = set()
+        self._batch: list[tuple[int, int, torch.Tensor, Path, TensorEntry]] = []
         failed: BaseException | None = None
         try:
             yield
@@ -278,6 +281,7 @@ class CheckpointReader:
             failed = err
             raise
         finally:
+            self._flush_batch()
             reads, self._reads = self._reads, outer
             for future in reads:
                 try:
@@ -325,6 +329,36 @@ class CheckpointReader:
             raise self._checksum_error(entry, frag, digest)
         with self._lock:
             self._verified.add((frag.file, frag.key))
+
+    def fragment_span(self, entry: TensorEntry, index: int) -> tuple[str, int, int]:
+        """Where fragment ``index`` of ``entry`` lies: its file, byte offset and length."""
+        frag = entry.fragments[index]
+        _, offset, stored = self._locate(entry, frag)
+        return frag.file, offset, frag.numel * stored.itemsize
+
+    def verify_run(self, run: list[tuple[TensorEntry, int]]) -> None:
+        """Check fragments that lie back to back in one file with one read: small fragments
+        cost a slice and a hash each, not a read and a buffer each."""
+        spans = [self.fragment_span(entry, i) for entry, i in run]
+        name, begin = spans[0][0], spans[0][1]
+        end = spans[-1][1] + spans[-1][2]
+        view = self._thread_buffer(end - begin)[: end - begin]
+        path = self.directory / name
+        try:
+            _pread_into(self._file(name).fd, view, begin)
+        except OSError as err:
+            raise CheckpointError(f"{path}: {err} (fragments of {run[0][0].label})") from err
+        failed = None
+        for (entry, i), (_, offset, nbytes) in zip(run, spans):
+            frag = entry.fragments[i]
+            digest = _digest(frag.algorithm, view[offset - begin : offset - begin + nbytes])
+            if digest != frag.digest:
+                failed = failed or self._checksum_error(entry, frag, digest)
+                continue
+            with self._lock:
+                self._verified.add((frag.file, frag.key))
+        if failed is not None:
+            raise failed
 
     def _thread_buffer(self, nbytes: int) -> memoryview:
         """This thread's reusable read buffer, at least ``nbytes`` (a fresh zeroed buffer per
@@ -446,13 +480,18 @@ class CheckpointReader:
         if self._reads is not None and not verify and dst.is_contiguous():
             to_gpu = dst.device.type == "cuda" and dst.dtype == stored
             if direct or to_gpu:
-                if to_gpu and dst.device not in self._followed:
-                    from accelkit.checkpoint.staging import device_slots
+                from accelkit.checkpoint import staging
 
+                if to_gpu and dst.device not in self._followed:
                     # the copies start after the work already queued on this thread's stream
-                    device_slots(self._workers()._max_workers).follow_current_stream(dst.device)
+                    slots = staging.device_slots(self._workers()._max_workers)
+                    slots.follow_current_stream(dst.device)
                     self._followed.add(dst.device)
                 start = offset + a * element
+                nbytes = dst.numel() * element
+                if to_gpu and nbytes <= min(SMALL_READ_BYTES, staging.SLOT_BYTES):
+                    self._batch_small(rank_file.fd, start, dst, path, entry)
+                    return
                 self._reads.append(
                     self._workers().submit(self._read_task, path, rank_file.fd, start, dst, entry)
                 )
@@ -477,6 +516,54 @@ class CheckpointReader:
             if digest != frag.digest:
                 raise self._checksum_error(entry, frag, digest)
             self._verified.add((frag.file, frag.key))
+
+    def _batch_small(
+        self, fd: int, offset: int, dst: torch.Tensor, path: Path, entry: TensorEntry
+    ) -> None:
+        """Collect small reads to a GPU that lie back to back in one file: one read and one
+        slot for the lot, one copy each (a slot, a read and an event per fragment of a few
+        bytes, such as an optimizer's step, would cost more than the bytes)."""
+        from accelkit.checkpoint.staging import SLOT_BYTES
+
+        batch = self._batch
+        nbytes = dst.numel() * dst.element_size()
+        if batch:
+            last_fd, last_offset, last, _, _ = batch[-1]
+            end = last_offset + last.numel() * last.element_size()
+            size = end - batch[0][1] + nbytes
+            if last_fd != fd or end != offset or size > SLOT_BYTES or last.device != dst.device:
+                self._flush_batch()
+        self._batch.append((fd, offset, dst, path, entry))
+
+    def _flush_batch(self) -> None:
+        batch, self._batch = getattr(self, "_batch", []), []
+        if batch and self._reads is not None:
+            self._reads.append(self._workers().submit(self._read_batch_task, batch))
+
+    def _read_batch_task(
+        self, batch: list[tuple[int, int, torch.Tensor, Path, TensorEntry]]
+    ) -> None:
+        from accelkit.checkpoint.staging import device_slots
+
+        fd, begin = batch[0][0], batch[0][1]
+        last = batch[-1]
+        end = last[1] + last[2].numel() * last[2].element_size()
+        slots = device_slots(self._workers()._max_workers)
+        slot = slots.acquire()
+        try:
+            try:
+                _pread_into(fd, tensor_bytes(slot[: end - begin]), begin)
+            except OSError as err:
+                raise CheckpointError(f"{last[3]}: {err} (tensor {batch[0][4].label})") from err
+            pieces = []
+            for _, offset, dst, _, _ in batch:
+                n = dst.numel() * dst.element_size()
+                pieces.append(
+                    (slot[offset - begin : offset - begin + n], dst.view(-1).view(torch.uint8))
+                )
+            slots.copy_many(pieces).synchronize()
+        finally:
+            slots.release(slot)
 
     def _read_task(
         self, path: Path, fd: int, offset: int, dst: torch.Tensor, entry: TensorEntry

@@ -109,6 +109,17 @@ class _DeviceSlots:
             event.record(stream)
         return event
 
+    def copy_many(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        """Start copying each ``(slot part, target)`` pair (uint8; targets on one GPU); the
+        event fires when all have landed."""
+        stream = self._stream(pieces[0][1].device)
+        with torch.cuda.stream(stream):
+            for source, target in pieces:
+                target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
 
 def device_slots(workers: int) -> _DeviceSlots:
     """The process's pinned slots, two per writer thread (made on first use, then reused)."""

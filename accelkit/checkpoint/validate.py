@@ -39,20 +39,48 @@ from accelkit.checkpoint.fragments import (
 from accelkit.checkpoint.manifest import BACKEND_OBJECT
 from accelkit.errors import CheckpointError
 
-
 # ---- checksums, split over the ranks ------------------------------------------------------------
+#: fragments up to this size are checked in runs: back to back in their file, read at once
+RUN_BYTES = 16 << 20
+
+
 def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
-    """Check the checksums of this rank's share of all fragments (every ``world``-th one, from
-    ``rank``), several at once; raise naming the first that failed and how many did."""
-    jobs = [(entry, i) for entry in reader.manifest.tensors for i in range(len(entry.fragments))][
-        rank::world
-    ]
-    if not jobs:
+    """Check the checksums of this rank's share of all fragments (a ``1/world`` slice of the
+    bytes, in file order), several at once; raise naming the first that failed and how many
+    did. Small fragments lying back to back are checked in runs of one read each."""
+    spans = []
+    for entry in reader.manifest.tensors:
+        for i in range(len(entry.fragments)):
+            spans.append((*reader.fragment_span(entry, i), entry, i))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    total = sum(s[2] for s in spans) or 1
+    mine, seen = [], 0
+    for span in spans:  # a fragment belongs to the rank whose slice of the bytes it starts in
+        if min(world - 1, seen * world // total) == rank:
+            mine.append(span)
+        seen += span[2]
+    runs: list[list[tuple[Any, int]]] = []  # back to back and small: one read each
+    singles: list[tuple[Any, int]] = []  # large: streamed in chunks
+    run_file, run_end, run_bytes = None, -1, 0
+    for name, offset, nbytes, entry, i in mine:
+        if nbytes > RUN_BYTES:
+            singles.append((entry, i))
+            continue
+        if not (
+            runs and name == run_file and offset == run_end and run_bytes + nbytes <= RUN_BYTES
+        ):
+            runs.append([])
+            run_bytes = 0
+        runs[-1].append((entry, i))
+        run_file, run_end, run_bytes = name, offset + nbytes, run_bytes + nbytes
+    if not runs and not singles:
         return
     problems: list[CheckpointError] = []
-    workers = min(workers, os.cpu_count() or 2, len(jobs))
+    workers = min(workers, os.cpu_count() or 2, len(runs) + len(singles))
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for future in [pool.submit(reader.verify_fragment, e, i) for e, i in jobs]:
+        futures = [pool.submit(reader.verify_fragment, e, i) for e, i in singles]
+        futures += [pool.submit(reader.verify_run, run) for run in runs]
+        for future in futures:
             try:
                 future.result()
             except CheckpointError as err:
