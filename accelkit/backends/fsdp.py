@@ -245,22 +245,67 @@ def _select_wrap_blocks(model: torch.nn.Module, policy: Any) -> list[torch.nn.Mo
     return kept
 
 
+def _has_reset(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def _model_init_owner(module: torch.nn.Module) -> bool:
+    """A Transformers-style model: ``_init_weights(submodule)`` initialises its modules, as its
+    ``post_init()`` does at construction (duck-typed: Transformers is never imported here)."""
+    return callable(getattr(module, "_init_weights", None)) and callable(
+        getattr(module, "post_init", None)
+    )
+
+
+def keeps_built_value(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    """Whether a meta build keeps this parameter as its constructor made it (on the CPU): the
+    1-D parameters (norm gains, biases) of a module without ``reset_parameters()``, which nothing
+    else could recreate (``LlamaRMSNorm``'s ones, ``Conv1D``'s zero bias). They are small."""
+    return param.dim() <= 1 and not _has_reset(module)
+
+
 class _Materializer:
     """Brings a meta-built model onto the device one module at a time, in module order, so
-    each unit can be sharded before the next is allocated. Every module that owns meta tensors
-    is emptied onto the device and reset with its own ``reset_parameters()``; tied weights take
-    the value of their first owner in module order."""
+    each unit can be sharded before the next is allocated.
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    Every module that owns meta tensors has them allocated on the device (NaN-filled) and its
+    tensors built for real (buffers, kept 1-D parameters) moved there. Then it is initialised:
+    by its own ``reset_parameters()``; inside a Transformers model, also by the model's
+    ``_init_weights(module)`` after its children, the order ``post_init()`` uses. Tied weights
+    take the value of their first owner in module order. ``init_weights=False`` allocates only
+    (pretrained weights follow, as ``from_pretrained`` skips the initialisation)."""
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, init_weights: bool = True
+    ) -> None:
         self.device = device
+        self.init_weights = init_weights
         self.names = _module_names(model)
         self.ties = _tie_groups(model)
         self.tied_later = {(id(m), n) for g in self.ties for m, n in g[1:]}
         self.visited: set[int] = set()
         self.pending = list(range(len(self.ties)))
-        #: tensors reset_parameters() did not write, and NaN flags of those it wrote
+        self.owners = self._owners(model)
+        #: per module: the tensors allocated for it and their version after the NaN fill
+        self.handed: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
+        #: tensors the initialisation did not write, and NaN flags of those it wrote
         self.unwritten: list[str] = []
         self.nan_flags: list[tuple[str, torch.Tensor]] = []
+
+    @staticmethod
+    def _owners(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+        """id(module) -> the innermost Transformers-style model holding it (itself included)."""
+        owners: dict[int, torch.nn.Module] = {}
+
+        def walk(module: torch.nn.Module, owner: torch.nn.Module | None) -> None:
+            owner = module if _model_init_owner(module) else owner
+            if owner is not None:
+                owners[id(module)] = owner
+            for child in module.children():
+                walk(child, owner)
+
+        walk(model, None)
+        return owners
 
     def check(self, model: torch.nn.Module) -> None:
         """Fail before touching anything if a module could not be initialised."""
@@ -271,15 +316,21 @@ class _Materializer:
             if not meta:
                 continue
             where = f"{self.names[id(module)]} ({type(module).__name__})"
-            if len(meta) != len(own):
+            real_params = [
+                n for n, t in module._parameters.items() if t is not None and not t.is_meta
+            ]
+            if real_params and _has_reset(module):
                 mixed.append(where)
-            elif not callable(getattr(module, "reset_parameters", None)) and not self._alias_only(
-                module
+            elif (
+                not _has_reset(module)
+                and id(module) not in self.owners
+                and self.init_weights
+                and not self._alias_only(module)
             ):
                 missing.append(where)
         if mixed:
             raise ConfigError(
-                "fsdp: these modules hold both meta and real tensors, so they cannot be "
+                "fsdp: these modules hold both meta and real parameters, so they cannot be "
                 f"materialised: {', '.join(mixed)}. Build the whole model inside "
                 "accel.init_module(), or none of it."
             )
@@ -297,26 +348,57 @@ class _Materializer:
         return all((id(module), n) in self.tied_later and n in module._parameters for n, t in own)
 
     def materialize(self, module: torch.nn.Module) -> None:
+        """Before the module's children: allocate, move, and run ``reset_parameters()``."""
         self.visited.add(id(module))
         own = _own_tensors(module)
-        if not own or not any(t.is_meta for _, t in own):
+        if not own or not any(t.is_meta or t.device != self.device for _, t in own):
             return
-        if self._alias_only(module) and not callable(getattr(module, "reset_parameters", None)):
+        if self._alias_only(module) and not _has_reset(module):
             return  # re-tied to the first owner below
-        module.to_empty(device=self.device, recurse=False)
+        handed: dict[str, tuple[torch.Tensor, int]] = {}
         with torch.no_grad():
-            for _, t in _own_tensors(module):
-                if t.is_floating_point() or t.is_complex():
-                    t.fill_(math.nan)
-            handed = {name: (t, t._version) for name, t in _own_tensors(module)}
-            module.reset_parameters()
+            for store in (module._parameters, module._buffers):
+                for name, t in list(store.items()):
+                    if t is None:
+                        continue
+                    if t.is_meta:
+                        new = torch.empty_like(t, device=self.device)
+                        if new.is_floating_point() or new.is_complex():
+                            new.fill_(math.nan)
+                    elif t.device != self.device:
+                        new = t.to(self.device)
+                    else:
+                        continue
+                    if store is module._parameters:
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    store[name] = new
+                    if t.is_meta:
+                        handed[name] = (new, new._version)
+            if not handed:
+                return
+            self.handed[id(module)] = handed
+            if self.init_weights and _has_reset(module):
+                module.reset_parameters()
+
+    def finish(self, module: torch.nn.Module) -> None:
+        """After the module's children: the model's ``_init_weights(module)``, then check that
+        every allocated tensor was written."""
+        owner = self.owners.get(id(module))
+        if self.init_weights and owner is not None:
+            with torch.no_grad():
+                owner._init_weights(module)
+        handed = self.handed.pop(id(module), None)
+        if handed is None or not self.init_weights:
+            return
         prefix = self.names[id(module)]
-        for name, t in _own_tensors(module):
-            tensor, version = handed.get(name, (None, None))
-            if tensor is t and t._version == version:  # neither written nor replaced
-                self.unwritten.append(f"{prefix}.{name}")
-            elif t.is_floating_point() or t.is_complex():
+        current = dict(_own_tensors(module))
+        for name, (tensor, version) in handed.items():
+            t = current.get(name)
+            if t is not None and (t.is_floating_point() or t.is_complex()):
+                # NaN-filled: a write through .data (Transformers' init) leaves no version trace
                 self.nan_flags.append((f"{prefix}.{name}", t.isnan().any()))
+            elif tensor is t and t._version == version:  # neither written nor replaced
+                self.unwritten.append(f"{prefix}.{name}")
 
     def retie(self) -> None:
         """Point every alias at its first owner once all of a group's modules are visited."""
@@ -343,10 +425,11 @@ class _Materializer:
         self.unwritten, self.nan_flags = [], []
         if bad:
             raise ConfigError(
-                "fsdp: after materialising the meta-built model, reset_parameters() left these "
-                f"tensors uninitialised (or NaN): {', '.join(bad)}. Make reset_parameters() "
-                "initialise every parameter and buffer its module owns, or build the model "
-                "with accel.init_module(empty_init=False)."
+                "fsdp: after materialising the meta-built model, reset_parameters() (or the "
+                "model's _init_weights) left these tensors uninitialised (or NaN): "
+                f"{', '.join(bad)}. Make reset_parameters() initialise every parameter and "
+                "buffer its module owns, or build the model with "
+                "accel.init_module(empty_init=False)."
             )
 
 
@@ -412,10 +495,13 @@ class FSDPBackend(DistributedBackend):
 
     # ---- building the model -------------------------------------------------------------------
     def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """Build on the meta device (default), or on this rank's device with ``empty_init=False``.
+        """Build the parameters on the meta device (default), or on this rank's device with
+        ``empty_init=False``.
 
-        Meta-built modules are initialised by their ``reset_parameters()`` inside ``setup``.
-        """
+        A meta build keeps buffers (a causal mask, rotary frequencies) and the 1-D parameters of
+        modules without ``reset_parameters()`` as their constructor made them, on the CPU: they
+        are small, and nothing else could recreate them. ``setup`` initialises the meta
+        parameters (``reset_parameters()``, and a Transformers model's ``_init_weights``)."""
         return self._build_context(meta=empty_init is not False)
 
     @contextlib.contextmanager
@@ -424,14 +510,31 @@ class FSDPBackend(DistributedBackend):
 
         created: list[torch.nn.Parameter] = []
 
-        def remember(module: torch.nn.Module, name: str, param: Any) -> None:
-            if param is not None:
-                created.append(param)
+        def register(module: torch.nn.Module, name: str, param: Any) -> Any:
+            if param is None:
+                return None
+            if (
+                meta
+                and not param.is_meta
+                and type(param) is torch.nn.Parameter
+                and not keeps_built_value(module, param)
+            ):
+                # built on the CPU by its constructor (torch.empty: no memory is touched) and
+                # moved to meta as it is registered, before the constructor initialises it
+                on_meta = torch.nn.Parameter(
+                    param.detach().to("meta"), requires_grad=param.requires_grad
+                )
+                on_meta.__dict__.update(param.__dict__)
+                created.append(on_meta)
+                return on_meta
+            created.append(param)
+            return None
 
-        handle = register_module_parameter_registration_hook(remember)
+        handle = register_module_parameter_registration_hook(register)
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.device("meta") if meta else self.device)
+                if not meta:
+                    stack.enter_context(self.device)
                 stack.enter_context(self.precision.init_context())
                 yield
         finally:
@@ -518,6 +621,8 @@ class FSDPBackend(DistributedBackend):
                 materializer.materialize(module)
             for child in module.children():
                 visit(child)
+            if has_meta:
+                materializer.finish(module)
             materializer.retie()
             style = tp_styles.get(id(module))
             if style is not None:  # its whole subtree is real now; before its unit is sharded

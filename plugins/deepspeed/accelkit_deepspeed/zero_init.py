@@ -128,6 +128,8 @@ def _check(func: Any, param: Any) -> None:
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
         if attribute != "data":
             return
+        if name == "__get__" and _gather_while_building(param):
+            return
         action = "reading .data of" if name == "__get__" else "assigning .data of"
         raise PartitionedParameterError(
             f"{action} {_describe(param)}, which ZeRO-3 has partitioned: its .data is an empty "
@@ -136,11 +138,57 @@ def _check(func: Any, param: Any) -> None:
     inplace = (
         name.endswith("_") and not name.startswith("_") and name not in _HARMLESS_INPLACE
     ) or name in _INPLACE_DUNDERS
+    if inplace and _gather_while_building(param):
+        return
     if inplace:
         raise PartitionedParameterError(
             f"{name}() on {_describe(param)}, which ZeRO-3 has partitioned (it was built under "
             f"accel.init_module()): the write would silently change nothing. {FIX}"
         )
+
+
+class _BuildGathers:
+    """Partitioned parameters that the model's own construction code writes after partitioning.
+
+    A Transformers model initialises its weights in ``post_init()``, at the end of its root's
+    ``__init__``, when every submodule is already partitioned; DeepSpeed gathers only the
+    parameters a module holds itself around ``model.apply(fn)``, so GPT-2's scaled init of its
+    ``c_proj`` weights (written from the parent module) would be lost. Inside
+    ``init_module()`` such a write gathers the parameter first; the gathered ones are broadcast
+    from rank 0 and partitioned again as soon as a parameter of another module is touched, a
+    module finishes building, or the build ends: at most one module's parameters are whole."""
+
+    def __init__(self) -> None:
+        self.params: list[Any] = []
+        self.owner: Any = None
+
+    def gather(self, param: Any) -> None:
+        owner = getattr(param, "_accelkit_owner", None)
+        if self.params and (owner is None or owner is not self.owner):
+            self.flush()
+        with _trusted():
+            param.all_gather()
+        self.params.append(param)
+        self.owner = owner
+
+    def flush(self) -> None:
+        params, self.params, self.owner = self.params, [], None
+        with _trusted():
+            for param in params:
+                torch.distributed.broadcast(
+                    param.data.view(torch.uint8), 0, group=param.ds_process_group
+                )
+            for param in params:
+                param.partition(has_been_updated=True)
+
+
+def _gather_while_building(param: Any) -> bool:
+    """Inside ``init_module()``: gather ``param`` for the write about to happen."""
+    gathers = getattr(_scope, "build", None)
+    if gathers is None:
+        return False
+    gathers.gather(param)
+    return True
 
 
 def _refuse_load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -163,6 +211,7 @@ def protect(module: torch.nn.Module) -> None:
                     setattr(param, attr, _trusting(value))
             param.__class__ = GuardedParameter
             param._accelkit_name = f"{type(module).__name__}.{name}"
+            param._accelkit_owner = module
             guarded = True
     if guarded and not hasattr(module, "_accelkit_zero_guard"):
         module._accelkit_zero_guard = module.register_load_state_dict_pre_hook(
@@ -180,6 +229,7 @@ def release(model: torch.nn.Module) -> int:
         for param in module.parameters(recurse=False):
             if type(param) is GuardedParameter:
                 param.__class__ = torch.nn.Parameter
+                param.__dict__.pop("_accelkit_owner", None)
                 for attr, value in list(vars(param).items()):
                     original = getattr(value, "_accelkit_wrapped", None)
                     if original is not None:
@@ -192,7 +242,23 @@ def guarded_zero_init(deepspeed: Any, **kwargs: Any) -> Any:
     """``deepspeed.zero.Init(**kwargs)`` that guards each module's parameters once partitioned."""
 
     class GuardedInit(deepspeed.zero.Init):
+        def __enter__(self) -> Any:
+            entered = super().__enter__()
+            if self.enabled:
+                self._accelkit_outer = getattr(_scope, "build", None)
+                _scope.build = _BuildGathers()
+            return entered
+
+        def __exit__(self, *exc: Any) -> Any:
+            if self.enabled:
+                gathers, _scope.build = _scope.build, self._accelkit_outer
+                gathers.flush()
+            return super().__exit__(*exc)
+
         def _post_init_method(self, module: torch.nn.Module) -> None:
+            gathers = getattr(_scope, "build", None)
+            if gathers is not None:
+                gathers.flush()
             super()._post_init_method(module)
             protect(module)
 
