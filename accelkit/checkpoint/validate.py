@@ -41,7 +41,7 @@ from accelkit.errors import CheckpointError
 
 # ---- checksums, split over the ranks ------------------------------------------------------------
 #: fragments up to this size are checked in runs: back to back in their file, read at once
-RUN_BYTES = 16 << 20
+RUN_BYTES = 4 << 20
 
 
 def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
