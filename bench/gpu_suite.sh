@@ -6,7 +6,7 @@
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
 #        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
-#        [oom] [pretrainedgpu] [mmamp] [fp8] [ckptio] [ckptab]
+#        [oom] [pretrainedgpu] [hfgpu] [mmamp] [fp8] [ckptio] [ckptab]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -194,6 +194,13 @@ PY
       part pretrainedgpu
       timeout 280 python3 bench/pretrained_gpu.py --timeout 120 --out "$OUTDIR/pretrained-gpu.json" > "$OUTDIR/pretrained-gpu.log" 2>&1
       tail -12 "$OUTDIR/pretrained-gpu.log" ;;
+    hfgpu)
+      # issue 31: a Transformers Llama of 1.1B parameters built inside init_module() on fsdp and
+      # deepspeed_stage_3, loaded from save_pretrained output (bf16 shards) and stepped, against
+      # from_pretrained(device_map) + accelerate; one process per side, each row printed as it ends
+      part hfgpu
+      timeout 240 python3 bench/hf_gpu.py --timeout 65 --out "$OUTDIR/hf-gpu.json" 2>&1 | tee "$OUTDIR/hf-gpu.log" \
+        | grep --line-buffered -E "^(source|fsdp|deepspeed|hf |device|Traceback)" ;;
     mmamp)
       # MMEngine's AmpOptimWrapper (bf16, fp16, loss_scale) under plain MMEngine, AccelkitRunner on
       # cuda and on deepspeed_stage_2 (tests/test_mmengine_gpu.py); about 1.5 minutes expected

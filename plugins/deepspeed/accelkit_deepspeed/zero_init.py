@@ -240,6 +240,10 @@ def release(model: torch.nn.Module) -> int:
 
 def guarded_zero_init(deepspeed: Any, **kwargs: Any) -> Any:
     """``deepspeed.zero.Init(**kwargs)`` that guards each module's parameters once partitioned."""
+    # torch._dynamo's first import checks torch.Tensor.__new__'s signature, which zero.Init
+    # replaces: imported inside the build (Transformers imports a model's module, and torchao,
+    # on first use) it fails. Importing it first costs about a second, once per process.
+    import torch._dynamo  # noqa: F401
 
     class GuardedInit(deepspeed.zero.Init):
         def __enter__(self) -> Any:
