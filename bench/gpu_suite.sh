@@ -199,7 +199,7 @@ PY
       # deepspeed_stage_3, loaded from save_pretrained output (bf16 shards) and stepped, against
       # from_pretrained(device_map) + accelerate; one process per side, each row printed as it ends
       part hfgpu
-      timeout 240 python3 bench/hf_gpu.py --timeout 65 --out "$OUTDIR/hf-gpu.json" 2>&1 | tee "$OUTDIR/hf-gpu.log" \
+      timeout 240 python3 bench/hf_gpu.py --timeout 70 --out "$OUTDIR/hf-gpu.json" 2>&1 | tee "$OUTDIR/hf-gpu.log" \
         | grep --line-buffered -E "^(source|fsdp|deepspeed|hf |device|Traceback)" ;;
     mmamp)
       # MMEngine's AmpOptimWrapper (bf16, fp16, loss_scale) under plain MMEngine, AccelkitRunner on
