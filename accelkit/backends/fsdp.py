@@ -3,9 +3,10 @@
 What this backend adds to ``fully_shard``:
 
 - a wrap policy (the blocks of the model's stacks, or classes the user names, then the root);
-- meta-device init: ``init_module()`` builds on ``meta``; ``setup`` materialises one wrap unit
-  at a time (``to_empty`` + ``reset_parameters``) and shards it before the next, so peak memory
-  is the sharded model plus one unit, and re-ties tied weights;
+- meta-device init: ``init_module()`` builds the parameters on ``meta`` (buffers and the 1-D
+  parameters of modules without ``reset_parameters`` stay real); ``setup`` materialises one wrap
+  unit at a time (``reset_parameters``, and a Transformers model's ``_init_weights``) and shards
+  it before the next, so peak memory is the sharded model plus one unit, and re-ties tied weights;
 - the user's optimizer keeps its identity: its parameters are swapped in place for the sharded
   ones, matched by name;
 - precision strings mapped onto ``MixedPrecisionPolicy`` (see :data:`FSDP_DTYPES`), and
@@ -272,14 +273,10 @@ class _Materializer:
     tensors built for real (buffers, kept 1-D parameters) moved there. Then it is initialised:
     by its own ``reset_parameters()``; inside a Transformers model, also by the model's
     ``_init_weights(module)`` after its children, the order ``post_init()`` uses. Tied weights
-    take the value of their first owner in module order. ``init_weights=False`` allocates only
-    (pretrained weights follow, as ``from_pretrained`` skips the initialisation)."""
+    take the value of their first owner in module order."""
 
-    def __init__(
-        self, model: torch.nn.Module, device: torch.device, init_weights: bool = True
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self.device = device
-        self.init_weights = init_weights
         self.names = _module_names(model)
         self.ties = _tie_groups(model)
         self.tied_later = {(id(m), n) for g in self.ties for m, n in g[1:]}
@@ -324,7 +321,6 @@ class _Materializer:
             elif (
                 not _has_reset(module)
                 and id(module) not in self.owners
-                and self.init_weights
                 and not self._alias_only(module)
             ):
                 missing.append(where)
@@ -377,18 +373,18 @@ class _Materializer:
             if not handed:
                 return
             self.handed[id(module)] = handed
-            if self.init_weights and _has_reset(module):
+            if _has_reset(module):
                 module.reset_parameters()
 
     def finish(self, module: torch.nn.Module) -> None:
         """After the module's children: the model's ``_init_weights(module)``, then check that
         every allocated tensor was written."""
         owner = self.owners.get(id(module))
-        if self.init_weights and owner is not None:
+        if owner is not None:
             with torch.no_grad():
                 owner._init_weights(module)
         handed = self.handed.pop(id(module), None)
-        if handed is None or not self.init_weights:
+        if handed is None:
             return
         prefix = self.names[id(module)]
         current = dict(_own_tensors(module))

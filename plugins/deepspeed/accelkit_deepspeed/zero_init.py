@@ -15,6 +15,10 @@ run in a trusted scope, so what they do to the parameter is theirs to do. Anythi
 parameters are gathered passes too (``deepspeed.zero.GatheredParameters``, or ``model.apply(fn)``
 inside ``init_module()``, which DeepSpeed gathers itself). ``setup()`` restores the plain
 ``Parameter`` class and DeepSpeed's own methods, so training pays nothing.
+
+While the model is being built (inside ``init_module()``), a write to a parameter that is
+already partitioned gathers it instead of failing (:class:`_BuildGathers`): a Transformers
+model's ``post_init()`` initialises its submodules' weights after they were partitioned.
 """
 
 from __future__ import annotations
