@@ -46,6 +46,15 @@ def accelkit_checkpoint_importers() -> dict[str, Any]:
     """
 
 
+@hookspec
+def accelkit_checkpoint_exporters() -> dict[str, Any]:
+    """Return ``{target_name: exporter}`` for ``accelkit convert SRC DST --to target_name``.
+
+    An exporter is a callable ``(src, dst) -> Path`` that writes the portable checkpoint ``src``
+    in another framework's format at ``dst``. Import that framework inside the call, not here.
+    """
+
+
 @hookspec(firstresult=True)
 def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
     """Return the per-device memory estimate (bytes, as a dict) of ``backend`` for a model, or None.

@@ -28,6 +28,12 @@ log = logging.getLogger("accelkit")
 
 ENTRY_POINT_GROUP = "accelkit"
 DISABLE_ENV = "ACCELKIT_DISABLE_PLUGINS"
+#: the plugins of the accelkit distribution itself: its pyproject's entry points, registered
+#: from here too when the installed metadata lacks them (a source tree, an older install)
+DISTRIBUTION_PLUGINS = {
+    "native": "accelkit.backends",
+    "integrations": "accelkit.integrations.plugin",
+}
 
 __all__ = [
     "DEVICE_WORDS",
@@ -84,8 +90,9 @@ class PluginHost:
                 dist = ep.dist.name if ep.dist else "?"
                 version = ep.dist.version if ep.dist else "?"
                 self._register(ep.name, dist, version, ep)
-            if "native" not in seen:  # running from a source tree without installed metadata
-                self._register("native", "accelkit", _version(), "accelkit.backends")
+            for name, module in DISTRIBUTION_PLUGINS.items():
+                if name not in seen:  # a source tree without (or with older) installed metadata
+                    self._register(name, "accelkit", _version(), module)
 
     def register_plugin(self, plugin: Any, name: str) -> None:
         """Register an in-process plugin object (tests, notebooks) and its backends now."""

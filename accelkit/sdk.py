@@ -142,10 +142,10 @@ _SOURCES: dict[str, str] = {
     "DTYPES_BY_NAME": "accelkit.checkpoint.safetensors_io",
     "LazyTensor": "accelkit.checkpoint.safetensors_io",
     # foreign checkpoint formats (accelkit convert)
-    "Imported": "accelkit.checkpoint.convert",
-    "optimizer_import": "accelkit.checkpoint.convert",
-    "positional_names": "accelkit.checkpoint.convert",
-    "write_portable": "accelkit.checkpoint.convert",
+    "Imported": "accelkit.checkpoint.importing",
+    "optimizer_import": "accelkit.checkpoint.importing",
+    "positional_names": "accelkit.checkpoint.importing",
+    "write_portable": "accelkit.checkpoint.importing",
     # memory estimates (accelkit plan)
     "LOW_PRECISIONS": "accelkit.benchmark.memory",
     "OPTIMIZERS": "accelkit.benchmark.memory",
@@ -298,17 +298,17 @@ if TYPE_CHECKING:
         trace_kind,
     )
     from accelkit.checkpoint.codec import decode, drop_callables, encode
-    from accelkit.checkpoint.convert import (
-        Imported,
-        optimizer_import,
-        positional_names,
-        write_portable,
-    )
     from accelkit.checkpoint.fqn import canonical_fqn, module_tensors, user_module
     from accelkit.checkpoint.fragments import (
         dense_fragments,
         load_dense_fragments,
         param_group_hyperparams,
+    )
+    from accelkit.checkpoint.importing import (
+        Imported,
+        optimizer_import,
+        positional_names,
+        write_portable,
     )
     from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME, LazyTensor
     from accelkit.checkpoint.sharded import (

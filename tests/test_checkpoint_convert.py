@@ -104,11 +104,11 @@ def test_export_shows_progress_when_asked(source, tmp_path, capfd):
 def test_large_conversions_show_progress_by_default(source, tmp_path, capfd, monkeypatch):
     """The bar appears on its own from PROGRESS_BYTES up (lowered here to this small state),
     not below it, and never with --no-progress."""
-    import accelkit.checkpoint.convert as convert_module
+    import accelkit.checkpoint.progress as progress_module
 
     assert cli(["convert", str(source["path"]), str(tmp_path / "small.safetensors")]) == 0
     assert "export small.safetensors" not in capfd.readouterr().err
-    monkeypatch.setattr(convert_module, "PROGRESS_BYTES", 1)
+    monkeypatch.setattr(progress_module, "PROGRESS_BYTES", 1)
     assert cli(["convert", str(source["path"]), str(tmp_path / "big.safetensors")]) == 0
     assert "export big.safetensors" in capfd.readouterr().err
     out = tmp_path / "quiet.safetensors"

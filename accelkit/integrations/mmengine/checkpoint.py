@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelkit.checkpoint.convert import (
+from accelkit.checkpoint.unpickle import (
     PickleAllowlist,
     PickleRefused,
     conversion_allowlist,
@@ -228,8 +228,8 @@ def save_before_setup(
     in MMEngine. Every rank holds the whole model, so rank 0 writes a world-size-1 portable
     checkpoint, which any backend loads; the others wait for it.
     """
-    from accelkit.checkpoint.convert import Imported, write_portable
     from accelkit.checkpoint.fqn import canonical_fqn
+    from accelkit.checkpoint.importing import Imported, write_portable
 
     checkpoint = dict(checkpoint)
     checkpoint["state_dict"] = model.state_dict()
@@ -307,7 +307,7 @@ def _history_buffer_statistic(owner: Any, name: Any) -> Any:
 
 def mmengine_allowlist() -> PickleAllowlist:
     """What ``trust_pickle=True`` lets a ``.pth`` name: tensors, containers and numpy values
-    (:func:`~accelkit.checkpoint.convert.conversion_allowlist`), MMEngine's HistoryBuffer, and
+    (:func:`~accelkit.checkpoint.unpickle.conversion_allowlist`), MMEngine's HistoryBuffer, and
     ``builtins.getattr`` bound to :func:`_history_buffer_statistic` (never the real one)."""
     from mmengine.logging import HistoryBuffer
 
@@ -431,13 +431,13 @@ def load_full_state_dict(
     """
     import tempfile
 
-    from accelkit.checkpoint.convert import (
+    from accelkit.checkpoint.fqn import canonical_fqn
+    from accelkit.checkpoint.importing import (
         Imported,
         optimizer_import,
         positional_names,
         write_portable,
     )
-    from accelkit.checkpoint.fqn import canonical_fqn
 
     tensors: dict[tuple[str, str, str], Any] = {
         ("model", "param", canonical_fqn(name, strip_module_prefix=True)): value

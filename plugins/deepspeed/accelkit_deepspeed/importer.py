@@ -122,7 +122,7 @@ def _name(name: str, strip_prefix: str | None) -> str:
 
 
 def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
-    """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.convert.Imported`."""
+    """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.importing.Imported`."""
     from accelkit.sdk import Imported
 
     optim_files = _files(folder, _OPTIM)
