@@ -14,7 +14,6 @@ process, or replicas under data parallelism) and DTensor parameters, without nam
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from accelkit.checkpoint.codec import decode, encode
+from accelkit.checkpoint.dtensor import (
+    dtensor_writes_here,
+    flat_range,
+    is_dtensor,
+    local_region,
+)
 from accelkit.checkpoint.fqn import module_tensors, user_module
 from accelkit.errors import CheckpointError
 
@@ -309,91 +314,6 @@ class ReplicaPlanner:
         return [(0, numel)] if owner == self.rank else []
 
 
-# ---- DTensor geometry (no backend named: any DTensor works) -----------------------------------------
-def is_dtensor(tensor: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(tensor, DTensor)
-
-
-def local_region(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offset) of this rank's piece of a DTensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return tuple(shape), tuple(offset)
-
-
-def flat_range(
-    global_shape: tuple[int, ...], local_shape: tuple[int, ...], offset: tuple[int, ...]
-) -> tuple[int, int] | None:
-    """The flat range a box covers, or None if the box is not contiguous once flattened."""
-    numel = math.prod(local_shape)
-    if numel == 0:
-        return (0, 0)
-    k = next((i for i, (lo, g) in enumerate(zip(local_shape, global_shape)) if lo != g), None)
-    if k is None:
-        return (0, numel)
-    if any(local_shape[i] != 1 for i in range(k)) or any(
-        local_shape[i] != global_shape[i] for i in range(k + 1, len(global_shape))
-    ):
-        return None
-    strides = [math.prod(global_shape[i + 1 :]) for i in range(len(global_shape))]
-    return (sum(o * s for o, s in zip(offset, strides)), numel)
-
-
-def _first_of_other_dims(mesh: Any) -> bool:
-    """On an N-D mesh a DTensor may live on a slice of it (FSDP2's data-parallel dimensions,
-    without ``tp``): the slices hold the same pieces, so only the first slice writes them."""
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
-
-        root = _mesh_resources.get_root_mesh(mesh)
-    except (ImportError, AttributeError):  # pragma: no cover - older torch
-        return True
-    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if root is mesh or not names or not root_names or not set(names) <= set(root_names):
-        return True
-    return all(root.get_local_rank(d) == 0 for d in root_names if d not in names)
-
-
-def _needs_gather(tensor: Any) -> bool:
-    """Whether a DTensor's pieces are not flat ranges (Partial, _StridedShard, a shard of a
-    later dimension: a tensor-parallel row-wise weight), so every rank must gather it. Decided
-    from the placements and the global shape alone: every rank holding the tensor takes the
-    same path (a rank that skipped the gather would leave its peers' collective and the
-    replica planner's load counts out of step: pieces no rank writes)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    shape = tuple(tensor.shape)
-    for placement in tensor.placements:
-        if type(placement) is Replicate:
-            continue
-        if type(placement) is not Shard or math.prod(shape[: placement.dim]) != 1:
-            return True
-    return False
-
-
-def _dtensor_writes_here(tensor: Any) -> bool | None:
-    """True if this rank writes its local shard, False if another rank writes the piece it
-    holds; None (on every rank alike) if the tensor needs a gather."""
-    from torch.distributed.tensor import Replicate
-
-    if _needs_gather(tensor):
-        return None
-    mesh = tensor.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None or not _first_of_other_dims(mesh):
-        return False
-    return all(
-        c == 0 for placement, c in zip(tensor.placements, coord) if type(placement) is Replicate
-    )
-
-
 # ---- the default writer -----------------------------------------------------------------------------
 def tensor_fragments(
     obj: str,
@@ -410,7 +330,7 @@ def tensor_fragments(
     shape = tuple(tensor.shape)
     tensor = tensor.detach()
     if is_dtensor(tensor):
-        writes = _dtensor_writes_here(tensor)
+        writes = dtensor_writes_here(tensor)
         local_shape, offset = local_region(tensor)
         rng = flat_range(shape, local_shape, offset) if writes is not None else None
         if rng is not None:
