@@ -239,3 +239,22 @@ def test_no_module_is_over_800_lines_without_saying_why():
         if text.count("\n") > 800 and "Over 800 lines:" not in docstring:
             long.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
     assert not long
+
+
+def test_the_dense_checkpoint_default_is_there_once_a_backend_is_built():
+    """The protocol gets its checkpoint default from the checkpoint package, which
+    ``accelkit.get`` loads (the native plugin's importers live there): a backend built the usual
+    way yields its dense fragments without anyone importing ``accelkit.checkpoint`` first."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, accelkit\n"
+        "accel = accelkit.get('cpu')\n"
+        "pieces = list(accel.backend.local_fragments({'model': torch.nn.Linear(2, 2)}))\n"
+        "print(len(pieces), 'accelkit.checkpoint.dense' in sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.split() == ["3", "True"]  # weight, bias, the module's ObjectInfo
