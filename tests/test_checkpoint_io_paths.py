@@ -8,6 +8,8 @@ through accelkit; each path has a damaged-file twin that must fail and change no
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -96,6 +98,38 @@ def test_a_flipped_byte_fails_the_run_check_and_changes_nothing(tmp_path, at):
     with pytest.raises(CheckpointError, match="failed its checksum"):
         load(None, tmp_path / "c", {"model": other, "optimizer": other_opt}, rng=False)
     _assert_equal(_plain(other, other_opt), before)
+
+
+class Transposed(torch.nn.Module):
+    """A parameter stored transposed (not contiguous), as a tensor-parallel shard of a
+    column-split weight is: the loader reads it whole, then copies it in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(48, 32).t())
+        self.bias = torch.nn.Parameter(torch.randn(48))
+
+
+def test_a_target_that_is_not_contiguous_is_filled_before_the_load_returns(tmp_path, monkeypatch):
+    """Inside the loader's parallel reads, a read the caller uses at once (a non-contiguous
+    target's staging copy) must not be left in flight: reads on the reader's threads are
+    slowed down here, so one the caller did not wait for would leave garbage behind."""
+    slow_read = CheckpointReader._read_task
+
+    def late(self, *args):
+        time.sleep(0.05)
+        return slow_read(self, *args)
+
+    monkeypatch.setattr(CheckpointReader, "_read_task", late)
+    torch.manual_seed(0)
+    source = Transposed()
+    assert not source.weight.is_contiguous()
+    save(None, tmp_path / "c", {"model": source}, rng=False)
+    torch.manual_seed(1)
+    target = Transposed()
+    load(None, tmp_path / "c", {"model": target}, rng=False)
+    assert torch.equal(target.weight.detach(), source.weight.detach())
+    assert torch.equal(target.bias.detach(), source.bias.detach())
 
 
 @pytest.mark.gpu

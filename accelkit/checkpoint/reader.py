@@ -447,8 +447,9 @@ class CheckpointReader:
         Written into ``out`` (1-D, any device and dtype: cast on copy) when given. Checksums
         are verified before this returns, unless ``defer_verify``: then a fragment read whole
         straight into ``out`` is hashed there in a background thread while the caller reads
-        on, and :meth:`finish` (which ``load`` calls) raises if it failed. Do not modify
-        ``out`` before ``finish`` when deferring.
+        on, and :meth:`finish` (which ``load`` calls) raises if it failed; inside
+        :meth:`parallel_reads`, a deferred read itself may land only when that scope ends.
+        Do not read or modify ``out`` before then when deferring.
         """
         numel = entry.numel - start if numel is None else numel
         if start < 0 or numel < 0 or start + numel > entry.numel:
@@ -473,15 +474,25 @@ class CheckpointReader:
                     lo - frag.flat_offset,
                     hi - frag.flat_offset,
                     out[lo - start : hi - start],
+                    deferred=defer_verify,
                 )
         if not defer_verify:
             self.finish()
         return out
 
     def _read_fragment(
-        self, entry: TensorEntry, index: int, a: int, b: int, dst: torch.Tensor
+        self,
+        entry: TensorEntry,
+        index: int,
+        a: int,
+        b: int,
+        dst: torch.Tensor,
+        *,
+        deferred: bool = False,
     ) -> None:
-        """Elements ``[a, b)`` of fragment ``index`` into ``dst``."""
+        """Elements ``[a, b)`` of fragment ``index`` into ``dst``; with ``deferred`` (the
+        caller reads ``dst`` only after :meth:`parallel_reads` ends) the read may run on a
+        reader thread."""
         frag = entry.fragments[index]
         rank_file, offset, stored = self._locate(entry, frag)
         element = torch.empty((), dtype=stored).element_size()
@@ -489,7 +500,7 @@ class CheckpointReader:
         whole = a == 0 and b == frag.numel
         direct = dst.device.type == "cpu" and dst.dtype == stored and dst.is_contiguous()
         path = self.directory / frag.file
-        if self._reads is not None and not verify and dst.is_contiguous():
+        if deferred and self._reads is not None and not verify and dst.is_contiguous():
             to_gpu = dst.device.type == "cuda" and dst.dtype == stored
             if direct or to_gpu:
                 from accelkit.checkpoint import staging
