@@ -35,8 +35,6 @@ LOAD_PHASES = (
     "fill",  # the backend's load_fragments: bytes into the live tensors
     "restore",  # schedulers, statefuls, extras, backend state, RNG
 )
-#: work done on the writer threads, summed over threads (it overlaps the "write" phase)
-THREAD_WORK = ("copy", "pwrite", "checksum", "flush")
 
 
 @dataclass

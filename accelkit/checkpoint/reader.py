@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from accelkit.checkpoint import staging
 from accelkit.checkpoint.codec import decode
 from accelkit.checkpoint.digest import digest as digest_of
 from accelkit.checkpoint.digest import hasher as new_hasher
@@ -348,20 +349,20 @@ class CheckpointReader:
         _, offset, stored = self._locate(entry, frag)
         return frag.file, offset, frag.numel * stored.itemsize
 
-    def verify_run(self, run: list[tuple[TensorEntry, int]]) -> None:
+    def verify_run(self, run: list[tuple[str, int, int, TensorEntry, int]]) -> None:
         """Check fragments that lie back to back in one file with one read: small fragments
-        cost a slice and a hash each, not a read and a buffer each."""
-        spans = [self.fragment_span(entry, i) for entry, i in run]
-        name, begin = spans[0][0], spans[0][1]
-        end = spans[-1][1] + spans[-1][2]
+        cost a slice and a hash each, not a read and a buffer each. ``run`` holds
+        :meth:`fragment_span`'s ``(file, offset, nbytes)`` with each ``(entry, index)``."""
+        name, begin = run[0][0], run[0][1]
+        end = run[-1][1] + run[-1][2]
         view = self._thread_buffer(end - begin)[: end - begin]
         path = self.directory / name
         try:
             _pread_into(self._file(name).fd, view, begin)
         except OSError as err:
-            raise CheckpointError(f"{path}: {err} (fragments of {run[0][0].label})") from err
+            raise CheckpointError(f"{path}: {err} (fragments of {run[0][3].label})") from err
         failed = None
-        for (entry, i), (_, offset, nbytes) in zip(run, spans):
+        for _, offset, nbytes, entry, i in run:
             frag = entry.fragments[i]
             digest = _digest(frag.algorithm, view[offset - begin : offset - begin + nbytes])
             if digest != frag.digest:
@@ -503,8 +504,6 @@ class CheckpointReader:
         if deferred and self._reads is not None and not verify and dst.is_contiguous():
             to_gpu = dst.device.type == "cuda" and dst.dtype == stored
             if direct or to_gpu:
-                from accelkit.checkpoint import staging
-
                 if to_gpu and dst.device not in self._followed:
                     # the copies start after the work already queued on this thread's stream
                     slots = staging.device_slots(self._workers()._max_workers)
@@ -546,15 +545,18 @@ class CheckpointReader:
         """Collect small reads to a GPU that lie back to back in one file: one read and one
         slot for the lot, one copy each (a slot, a read and an event per fragment of a few
         bytes, such as an optimizer's step, would cost more than the bytes)."""
-        from accelkit.checkpoint.staging import SLOT_BYTES
-
         batch = self._batch
         nbytes = dst.numel() * dst.element_size()
         if batch:
             last_fd, last_offset, last, _, _ = batch[-1]
             end = last_offset + last.numel() * last.element_size()
             size = end - batch[0][1] + nbytes
-            if last_fd != fd or end != offset or size > SLOT_BYTES or last.device != dst.device:
+            if (
+                last_fd != fd
+                or end != offset
+                or size > staging.SLOT_BYTES
+                or last.device != dst.device
+            ):
                 self._flush_batch()
         self._batch.append((fd, offset, dst, path, entry))
 
@@ -566,12 +568,10 @@ class CheckpointReader:
     def _read_batch_task(
         self, batch: list[tuple[int, int, torch.Tensor, Path, TensorEntry]]
     ) -> None:
-        from accelkit.checkpoint.staging import device_slots
-
         fd, begin = batch[0][0], batch[0][1]
         last = batch[-1]
         end = last[1] + last[2].numel() * last[2].element_size()
-        slots = device_slots(self._workers()._max_workers)
+        slots = staging.device_slots(self._workers()._max_workers)
         slot = slots.acquire()
         try:
             try:
@@ -598,9 +598,7 @@ class CheckpointReader:
             if dst.device.type == "cpu":
                 _pread_into(fd, tensor_bytes(dst), offset)
                 return
-            from accelkit.checkpoint.staging import device_slots
-
-            slots = device_slots(self._workers()._max_workers)
+            slots = staging.device_slots(self._workers()._max_workers)
             flat = dst.view(-1).view(torch.uint8)
             step = slots.slot_bytes
             held: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()

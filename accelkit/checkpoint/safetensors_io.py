@@ -23,6 +23,11 @@ from typing import Any
 
 import torch
 
+from accelkit.checkpoint import staging
+from accelkit.checkpoint.digest import digest as digest_of
+from accelkit.checkpoint.digest import hasher as new_hasher
+from accelkit.checkpoint.staging import start_writeback
+
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -109,8 +114,6 @@ def write_file(
     written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
     spent per kind of work.
     """
-    from accelkit.checkpoint import staging
-
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -202,9 +205,6 @@ def _write_and_hash(
     profile: Any = None,
 ) -> str:
     """Runs in a pool thread: both calls release the GIL."""
-    from accelkit.checkpoint.digest import digest as digest_of
-    from accelkit.checkpoint.staging import start_writeback
-
     started = time.perf_counter()
     if view.nbytes:
         _pwrite_all(fd, view, offset)
@@ -223,13 +223,8 @@ def _stream_device_tensor(
 ) -> str:
     """Runs in a pool thread: ``tensor`` (on a GPU) goes to the file piece by piece through two
     pinned slots, the next piece's copy running while this one is written and hashed."""
-    from accelkit.checkpoint.digest import hasher as new_hasher
-    from accelkit.checkpoint.staging import start_writeback
-
     hasher = new_hasher(checksum)
-    flat = tensor.reshape(-1).view(torch.uint8) if tensor.is_contiguous() else None
-    if flat is None:
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
     total = flat.numel()
     step = slots.slot_bytes
     pieces = [(lo, min(total, lo + step)) for lo in range(0, total, step)]

@@ -59,7 +59,7 @@ def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
         if min(world - 1, seen * world // total) == rank:
             mine.append(span)
         seen += span[2]
-    runs: list[list[tuple[Any, int]]] = []  # back to back and small: one read each
+    runs: list[list[tuple[str, int, int, Any, int]]] = []  # back to back, small: one read
     singles: list[tuple[Any, int]] = []  # large: streamed in chunks
     run_file, run_end, run_bytes = None, -1, 0
     for name, offset, nbytes, entry, i in mine:
@@ -71,7 +71,7 @@ def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
         ):
             runs.append([])
             run_bytes = 0
-        runs[-1].append((entry, i))
+        runs[-1].append((name, offset, nbytes, entry, i))
         run_file, run_end, run_bytes = name, offset + nbytes, run_bytes + nbytes
     if not runs and not singles:
         return
