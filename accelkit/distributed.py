@@ -124,12 +124,13 @@ def _leave_group_at_exit() -> None:
     failed. atexit handlers run before finalization begins, so releasing the GIL here for a
     moment lets those threads drop their work safely.
     """
-    if not is_initialized():
-        return
-    try:
-        dist.destroy_process_group()
-    except Exception as err:  # exiting anyway; say why, do not mask the real exit status
-        log.debug("destroy_process_group at exit failed: %s", err)
+    if is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # exiting anyway; say why, do not mask the real exit status
+            log.debug("destroy_process_group at exit failed: %s", err)
+    # drain even when the program left the group itself (the demo does, and so do many training
+    # scripts): the worker threads outlive destroy_process_group by the same moment
     time.sleep(_GLOO_DRAIN_S)
 
 
