@@ -49,7 +49,7 @@ _SOURCES: dict[str, str] = {
     "StepResult": "accelkit.backend",
     "NoOptions": "accelkit.backend",
     "SingleDeviceBackend": "accelkit.backends.single",
-    "device_available": "accelkit.backends.single",
+    "device_available": "accelkit.backend_specs",
     "DDPBackend": "accelkit.backends.ddp",
     "DDPOptions": "accelkit.backends.ddp",
     "DistributedBackend": "accelkit.backends.distributed",
@@ -282,13 +282,14 @@ __all__ = [
 
 if TYPE_CHECKING:
     from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
+    from accelkit.backend_specs import device_available
     from accelkit.backends.ddp import DDPBackend, DDPOptions
     from accelkit.backends.distributed import (
         DistributedBackend,
         DistributedOptions,
         ProcessGroupOptions,
     )
-    from accelkit.backends.single import SingleDeviceBackend, device_available
+    from accelkit.backends.single import SingleDeviceBackend
     from accelkit.benchmark.memory import (
         LOW_PRECISIONS,
         OPTIMIZERS,

@@ -6,7 +6,7 @@
 #   bash bench/gpu_suite.sh OUTDIR [tests] [overhead] [fsdp] [deepspeed] [checkpoint] [dstests] [dsckpt]
 #        [coretests] [coregpu] [fstests] [dsz3] [fairscale] [fairscale16] [benchcli] [benchcompile]
 #        [caitests] [caibench] [apextests] [apexbench] [peers] [fsdpbenchtest] [launchtests] [conformance]
-#        [oom] [pretrainedgpu] [hfgpu] [mmamp] [fp8] [ckptio] [ckptab]
+#        [oom] [pretrainedgpu] [hfgpu] [mmamp] [fp8] [ckptio] [ckptab] [interference]
 #   CAI_K=hybrid ... caitests     runs only the ColossalAI GPU tests whose name matches (pytest -k)
 #
 # Every part writes its log (and JSON) into OUTDIR; a failing part does not stop the others.
@@ -87,6 +87,10 @@ for p in "$@"; do
         timeout 200 python3 bench/checkpoint_io.py --workload $w --gb 2 --repeats 3 \
           --methods accelkit,accelkit-async,dcp,torch --out "$OUTDIR/ckpt-$w.json" 2>&1 | tee "$OUTDIR/ckpt-$w.log" | grep -v -i warn
       done ;;
+    interference)
+      # what slows a launch-bound step while a checkpoint is written beside it (thread, process, GIL)
+      part interference
+      timeout 150 python3 bench/write_interference.py --gb 2 --repeats 3 --out "$OUTDIR/interference.json" 2>&1 | tee "$OUTDIR/interference.log" | grep -v -i warn ;;
     ckptab)
       # A/B: the same GPT workload with early writeback off (what the breakdown's fsync share costs)
       part ckptab

@@ -15,7 +15,7 @@ import torch
 
 from accelkit import distributed
 from accelkit.backend import Backend, Capabilities
-from accelkit.backends.single import device_available
+from accelkit.backend_specs import device_available
 from accelkit.errors import ConfigError
 from accelkit.precision import Precision, check_device_supports, native_precision
 

@@ -9,6 +9,7 @@ import torch
 
 from accelkit import distributed
 from accelkit.backend import Backend, Capabilities, SetupResult
+from accelkit.backend_specs import device_available
 from accelkit.errors import ConfigError
 from accelkit.float8 import Float8Options
 from accelkit.modules import apply_activation_checkpointing, compile_in_place
@@ -22,15 +23,6 @@ class SingleDeviceOptions(Float8Options):
 
     #: device index for ``cuda`` (default: LOCAL_RANK, else 0)
     device_index: int | None = None
-
-
-def device_available(device_type: str) -> bool:
-    """Whether a device of ``device_type`` ("cpu", "cuda", "mps") is usable in this process."""
-    if device_type == "cuda":
-        return torch.cuda.is_available()
-    if device_type == "mps":
-        return bool(getattr(torch.backends, "mps", None)) and torch.backends.mps.is_available()
-    return True
 
 
 class SingleDeviceBackend(Backend):
