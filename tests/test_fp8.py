@@ -4,18 +4,20 @@ Reference: ``fp8_reference.train_raw`` (raw torch + torchao's ``convert_to_float
 the documented layer filter written out by hand, under bf16 autocast; it imports nothing from
 accelkit).
 
-Measured on torch 2.13 CPU, torchao 0.18 (torch's CPU ``_scaled_mm``), one thread, TinyGPT
-width 64, 2 blocks, seq 32, batch 8, AdamW 3e-3, clipping at 1.0, 30 steps (the loss falls from
-5.69 to 4.49):
+Measured on torch 2.13 CPU, torchao 0.18 (torch's CPU ``_scaled_mm``, a reference kernel: 0.1 s
+for a 256 x 64 x 192 product, so the batch is kept at 2 sequences and the default tier's fp8 tests
+take about 45 s), one thread, TinyGPT width 64, 2 blocks, seq 32, batch 2, AdamW 3e-3, clipping
+at 1.0, 30 steps (the loss falls from 5.59 to 5.03):
 
 - accelkit ``cpu`` fp8-mixed against the raw reference: 0 (bit-identical losses and weights), so
   the tolerance is 0.
-- fp8-mixed against bf16-mixed (both raw): the per-step losses differ by at most 4.8e-4 relative
-  (5-step trailing means 3.2e-4); over 40 steps 1.4e-3 (1.1e-3 with two threads). bf16-mixed
-  against 32-true on the same run: 7.4e-5. Tolerance 5e-3: 10x the 30-step gap, 3.6x the largest
-  gap seen. The reference's fp8 run must also differ from its bf16 run by more than 5e-5 (10x
-  below the gap), or float8 was not in force. (accelkit's bf16-mixed equals the raw loop bit for
-  bit, tests/test_precision.py, and so does its fp8-mixed, below: the gap is accelkit's too.)
+- fp8-mixed against bf16-mixed (both raw): the per-step losses differ by at most 7.8e-4 relative
+  (5-step trailing means 3.3e-4); at batch 8 it was 4.8e-4 (1.4e-3 over 40 steps). bf16-mixed
+  against 32-true on the same run: 1.5e-4. Tolerance 5e-3: 6.4x the gap measured here, 3.6x the
+  largest gap seen. The reference's fp8 run must also differ from its bf16 run by more than
+  5e-5 (15x below the gap), or float8 was not in force. (accelkit's bf16-mixed equals the raw
+  loop bit for bit, tests/test_precision.py, and so does its fp8-mixed, below: the gap is
+  accelkit's too.)
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ pytest.importorskip("torchao.float8", reason="fp8-mixed needs torchao (pip insta
 from fp8_reference import TinyGPT, float8_layers, markov_tokens, smoothed, train_raw
 
 MODEL = {"vocab": 256, "width": 64, "layers": 2, "heads": 4, "seq": 32}
-STEPS, BATCH, LR = 30, 8, 3e-3
-#: fp8-mixed against bf16-mixed, per-step relative loss gap (measured 4.8e-4, see above)
+STEPS, BATCH, LR = 30, 2, 3e-3
+#: fp8-mixed against bf16-mixed, per-step relative loss gap (measured 7.8e-4, see above)
 FP8_VS_BF16_RTOL = 5e-3
-#: fp8-mixed must differ from bf16-mixed by more than this (10x below the measured gap)
+#: fp8-mixed must differ from bf16-mixed by more than this (15x below the measured gap)
 FP8_EFFECT_MIN = 5e-5
 #: the tiny model's Linear layers are 64 wide: the default fp8_min_features (1024) keeps them all
 SMALL = {"fp8_min_features": 16}
@@ -110,7 +112,7 @@ def test_fp8_mixed_tracks_bf16_mixed_within_the_measured_gap(raw_runs):
     gap = relative_gap(fp8, bf16)
     assert FP8_EFFECT_MIN < gap <= FP8_VS_BF16_RTOL, gap
     assert relative_gap(smoothed(fp8, 5), smoothed(bf16, 5)) <= FP8_VS_BF16_RTOL
-    assert fp8[-1] < fp8[0] - 1.0  # it learns: 5.69 -> 4.49 over the run
+    assert fp8[-1] < fp8[0] - 0.3  # it learns: 5.59 -> 5.03 over the run
 
 
 def test_rowwise_recipe_matches_the_raw_loop():
