@@ -520,7 +520,7 @@ def _print_breakdown(label: str, rs: list[dict[str, Any]]) -> None:
                 work.setdefault(k, []).append(v)
         text = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
         if work:
-            text += " | threads: " + " ".join(
+            text += f" | {rs[0][key].get('writer', 'threads')}: " + " ".join(
                 f"{k} {statistics.median(v):.3f}" for k, v in work.items()
             )
         extra = f", {rs[0][key]['tensors']} tensors" if what == "save" else ""

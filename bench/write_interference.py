@@ -1,13 +1,18 @@
 """What slows a training step while a checkpoint is written beside it: the step time in windows
 with a background load, each against the idle windows either side of it, in one process.
 
-The step is ``checkpoint_io.py``'s ``square`` workload (a stack of 2048 x 2048 Linears with
-per-parameter Adam: about a thousand small kernels, so the step is bound by the Python thread
-that launches them, the case most sensitive to anything else in the process). The loads write
-(or read) the same number of bytes as the state:
+On a GPU the step is ``checkpoint_io.py``'s ``square`` workload (a stack of 2048 x 2048 Linears
+with per-parameter Adam: about a thousand small kernels, so the step is bound by the Python
+thread that launches them, the case most sensitive to anything else in the process). On a CPU
+(``--workload tiny``, the default there) it is the CPU's equivalent: 64 Linears of 32 x 32 with
+per-parameter Adam on one torch thread, so the step is all Python and dispatch, beside a state
+of ``--gb`` GB held in buffers. The loads write (or read) the same number of bytes as the
+state:
 
 - ``accelkit-async``: accelkit's asynchronous save, steady state (its staging already pinned;
-  the stall happens before the window opens);
+  the stall happens before the window opens), written by its writer process (the default);
+- ``accelkit-async-threads``: the same save written by threads of the training process
+  (``ACCELKIT_ASYNC_WRITER=threads``);
 - ``thread-pwrite``: one niced Python thread ``pwrite``s a pinned copy of the state in 8 MiB
   pieces with early writeback, then fsyncs (the syscalls release the GIL);
 - ``thread-hash``: one niced thread XXH3-hashes that copy in 4 MiB pieces (GIL released);
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LOADS = (
     "accelkit-async",
+    "accelkit-async-threads",
     "thread-pwrite",
     "thread-hash",
     "gil-ticks",
@@ -123,9 +129,10 @@ class _Loads:
         thread.start()
         return thread.is_alive, thread.join
 
-    def _accelkit_async(self):
+    def _accelkit_async(self, writer: str = "process"):
         from accelkit.checkpoint import background, save
 
+        os.environ["ACCELKIT_ASYNC_WRITER"] = writer  # read when the write starts
         path = self.dir / "async"
         save(
             None,
@@ -142,6 +149,9 @@ class _Loads:
             self.last_async_s = time.perf_counter() - started
 
         return (lambda: background.pending() is not None), finish
+
+    def _accelkit_async_threads(self):
+        return self._accelkit_async("threads")
 
     def _thread_pwrite(self):
         from accelkit.checkpoint.staging import start_writeback
@@ -208,12 +218,41 @@ class _Loads:
         return self._process(True)
 
 
+def _tiny(gb: float, device: str):
+    """A step of many tiny ops (all Python and dispatch) beside ``gb`` GB of saved buffers."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(64))).to(device)
+    chunks = max(1, round(gb * 1e9 / (64 << 20)))
+    for i in range(chunks):
+        model.register_buffer(f"held{i}", torch.randn((64 << 20) // 4, device=device))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(4, 32, device=device)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    nbytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return model, opt, nbytes, step
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--loads", default=",".join(LOADS))
     parser.add_argument("--idle-s", type=float, default=1.0, help="each idle window's length")
+    parser.add_argument(
+        "--workload",
+        choices=("square", "tiny"),
+        default=None,
+        help="square on a GPU, tiny on a CPU",
+    )
     parser.add_argument("--dir", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -223,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    model, opt, nbytes, step = _build(args.gb, device)
+    workload = args.workload or ("square" if device == "cuda" else "tiny")
+    if workload == "square":
+        model, opt, nbytes, step = _build(args.gb, device)
+    else:
+        model, opt, nbytes, step = _tiny(args.gb, device)
     staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     staging.random_(0, 255)
     loads = [name for name in args.loads.split(",") if name]
@@ -270,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             before = after
 
     print(
-        f"\nstep time under each load, against the idle windows beside it "
+        f"\n{workload} step time under each load, against the idle windows beside it "
         f"({nbytes / 1e9:.2f} GB, {args.repeats} repeats, idle step "
         f"{statistics.median(idle_ms):.2f} ms on {device}):"
     )

@@ -112,3 +112,87 @@ def test_two_ranks_save_asynchronously_and_one_rank_loads(tmp_path):
     accel.load(tmp_path / "step-1", {"model": model, "optimizer": opt})
     for key, value in model.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+# ---- the writer process ------------------------------------------------------------------------
+def _state_and_values(accel):
+    model, opt = _setup(accel)
+    return {"model": model, "optimizer": opt, "step": 1}, {
+        k: v.clone() for k, v in model.state_dict().items()
+    }
+
+
+def test_the_writer_process_writes_what_the_threads_write(tmp_path, monkeypatch):
+    """The default writer (a process reading the shared snapshot) and the threads of the
+    training process write the same bytes; the profile says which one wrote."""
+    from accelkit.checkpoint.profile import last_save
+
+    accel = accelkit.get("cpu", seed=0)
+    state, expected = _state_and_values(accel)
+    files = {}
+    for writer_kind in ("process", "threads", "process"):
+        monkeypatch.setenv("ACCELKIT_ASYNC_WRITER", writer_kind)
+        path = tmp_path / f"{writer_kind}-{len(files)}"
+        accel.save(path, state, asynchronous=True)
+        accel.wait_for_save()
+        assert last_save().writer == writer_kind
+        files[path.name] = (path / "rank-00000.safetensors").read_bytes()
+    assert len(set(files.values())) == 1
+    fresh = accelkit.get("cpu", seed=0)
+    other, other_opt = _setup(fresh, seed=5)
+    fresh.load(tmp_path / "process-0", {"model": other, "optimizer": other_opt, "step": 0})
+    assert all(torch.equal(v, expected[k]) for k, v in other.state_dict().items())
+
+
+def test_a_flipped_byte_in_a_file_the_writer_process_wrote_fails_the_load(tmp_path):
+    accel = accelkit.get("cpu", seed=0)
+    state, _ = _state_and_values(accel)
+    accel.save(tmp_path / "a", state, asynchronous=True)
+    accel.wait_for_save()
+    rank_file = tmp_path / "a" / "rank-00000.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-5] ^= 0x10
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(accelkit.CheckpointError, match=r"rank-00000\.safetensors"):
+        accel.load(tmp_path / "a", state)
+
+
+def test_a_writer_process_that_dies_fails_the_save_clearly_and_the_next_save_works(
+    tmp_path, monkeypatch
+):
+    """The writer process exits in the middle of a save (a fake worker that reads the request
+    and dies): the next call raises a CheckpointError naming it, nothing is committed, the
+    earlier checkpoint stays ``latest``; the save after that starts a new writer and commits."""
+    from accelkit.checkpoint import write_process
+
+    accel = accelkit.get("cpu", seed=0)
+    state, _ = _state_and_values(accel)
+    accel.save(tmp_path / "step-1", state, asynchronous=True)
+    accel.wait_for_save()
+    dying = tmp_path / "dying_worker.py"
+    dying.write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'ready': os.getpid()}), flush=True)\n"
+        "sys.stdin.readline()\n"
+        "os._exit(3)\n"
+    )
+    write_process.close_all()  # the next save starts a writer from the fake script
+    monkeypatch.setattr(write_process, "_WORKER", dying)
+    accel.save(tmp_path / "step-2", state, asynchronous=True)
+    with pytest.raises(accelkit.CheckpointError, match=r"writer process .* exited with status 3"):
+        accel.wait_for_save()
+    assert not (tmp_path / "step-2").exists()
+    assert (tmp_path / "latest").read_text().strip() == "step-1"
+    monkeypatch.undo()
+    accel.save(tmp_path / "step-3", state, asynchronous=True)
+    accel.wait_for_save()
+    assert (tmp_path / "latest").read_text().strip() == "step-3"
+
+
+def test_an_unknown_writer_choice_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    accel = accelkit.get("cpu", seed=0)
+    state, _ = _state_and_values(accel)
+    monkeypatch.setenv("ACCELKIT_ASYNC_WRITER", "proccess")
+    with pytest.raises(accelkit.CheckpointError, match=r"'process' \(the default\) or 'threads'"):
+        accel.save(tmp_path / "a", state, asynchronous=True)
+    assert not (tmp_path / "a").exists()

@@ -164,12 +164,16 @@ def test_gpu_load_of_a_flipped_byte_changes_nothing(tmp_path):
 @pytest.mark.gpu
 def test_gpu_async_save_holds_the_moment_it_was_taken(tmp_path, monkeypatch):
     """The first save snapshots into device memory, then the host staging is pinned in the
-    background; the second copies into that pinned staging. Training steps run while each
+    background; the second copies into that pinned staging, which the writer process writes. Training steps run while each
     writes; each checkpoint holds the state of its save call, bit for bit."""
+    from accelkit.checkpoint.profile import last_save
+
     monkeypatch.setattr(background, "_buffer", None)
+    monkeypatch.setattr(background, "_pinned", False)
+    monkeypatch.setattr(background, "_shared", None)
     monkeypatch.setattr(background, "_grow_to", 0)
     model, opt = _trained("cuda", fused=True)
-    for name in ("first", "second"):
+    for name, writer in (("first", "threads"), ("second", "process")):
         expected = _plain(model, opt)
         save(None, tmp_path / name, {"model": model, "optimizer": opt}, asynchronous=True)
         for _ in range(3):  # training changes the state while the save writes
@@ -178,6 +182,8 @@ def test_gpu_async_save_holds_the_moment_it_was_taken(tmp_path, monkeypatch):
             opt.zero_grad()
         background.wait()
         assert background._buffer is not None and background._buffer.is_pinned()
+        # the first writes from its device snapshot; the second from shared, pinned staging
+        assert background._pinned and last_save().writer == writer
         other, other_opt = _trained("cuda", seed=1, fused=True)
         load(None, tmp_path / name, {"model": other, "optimizer": other_opt}, rng=False)
         _assert_equal(_plain(other, other_opt), expected)

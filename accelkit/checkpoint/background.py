@@ -11,7 +11,9 @@ The snapshot buffer is kept and reused: one per process, as large as the largest
 saved so far (pinned when the state is on a GPU, so the device-to-host copies run at full
 speed). Pinning takes far longer than copying, so the first save of a GPU state snapshots into
 spare device memory instead, where there is room, and the buffer is pinned in the background
-after that save is written (:func:`snapshot`).
+after that save is written (:func:`snapshot`). The buffer is shared memory, written out by a
+process of its own (:mod:`accelkit.checkpoint.write_process`), so the writing never contends
+with training for the GIL.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _lock = threading.Lock()
 _pending: _Save | None = None
 _group: Any = None
 _buffer: torch.Tensor | None = None
+_pinned = False  # whether _buffer is page-locked for the GPU
+_shared: Any = None  # the SharedStaging behind _buffer, when a writer process can read it
 _grow_to = 0  # bytes of pinned staging the next save wants (set by a device-side snapshot)
 
 
@@ -122,14 +126,14 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
       the host buffer for the next save, so the first save does not stall on pinning;
     - else into the host buffer, (re)allocated now (pinned for device tensors).
     """
-    global _buffer, _grow_to
+    global _grow_to
     from accelkit.checkpoint.safetensors_io import LazyTensor
 
     items = [(k, t.fetch() if isinstance(t, LazyTensor) else t.detach()) for k, t in tensors]
     total = sum(-(-_nbytes(t) // 64) * 64 for _, t in items)  # each copy 64-byte aligned
     on_device = any(t.device.type == "cuda" for _, t in items)
     ready = _buffer is not None and _buffer.numel() >= total
-    ready = ready and (not on_device or _buffer.is_pinned())
+    ready = ready and (not on_device or _pinned)
     if on_device and not ready and _device_has_room(items):
         out = [(k, t.clone(memory_format=torch.contiguous_format).reshape(-1)) for k, t in items]
         done = torch.cuda.Event()
@@ -138,8 +142,8 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         _grow_to = max(_grow_to, total)
         return out
     if not ready:
-        _buffer = None  # release the old one before pinning a larger one
-        _buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=on_device)
+        _allocate(max(total, 1), pin=on_device)
+    assert _buffer is not None
     out, offset = [], 0
     for key, tensor in items:
         nbytes = _nbytes(tensor)
@@ -154,13 +158,44 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _allocate(nbytes: int, pin: bool) -> None:
+    """(Re)allocate the snapshot buffer: shared memory for a writer process where it can be
+    had, else process memory (pinned with ``pin``)."""
+    global _buffer, _pinned, _shared
+    from accelkit.checkpoint import write_process
+
+    _buffer, _pinned = None, False  # release the old one before pinning a larger one
+    if _shared is not None:
+        _shared.release()
+        _shared = None
+    if write_process.enabled():
+        try:
+            _shared = write_process.SharedStaging(nbytes, pin=pin)
+            _buffer, _pinned = _shared.tensor, _shared.pinned
+            return
+        except Exception as err:  # no shared memory here: the threads write instead
+            log.debug("asynchronous saves write from threads (no shared staging: %s)", err)
+    _buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    _pinned = pin
+
+
+def shared_staging(to_write: list[tuple[str, Any]]) -> tuple[Any, list[tuple[int, int]]] | None:
+    """The shared buffer and each tensor's span in it, when every tensor of ``to_write`` lies
+    in the process's shared snapshot buffer (so a writer process can write them); else None."""
+    from accelkit.checkpoint import write_process
+
+    if _shared is None or not to_write or not write_process.enabled():
+        return None
+    spans = _shared.spans(to_write)
+    return None if spans is None else (_shared, spans)
+
+
 def grow_staging() -> None:
     """Pin the host buffer a device-side snapshot asked for (in the background thread, after
     that snapshot is written), so the next save copies straight into pinned memory."""
-    global _buffer, _grow_to
-    if _grow_to and (_buffer is None or _buffer.numel() < _grow_to or not _buffer.is_pinned()):
-        _buffer = None
-        _buffer = torch.empty(_grow_to, dtype=torch.uint8, pin_memory=True)
+    global _grow_to
+    if _grow_to and (_buffer is None or _buffer.numel() < _grow_to or not _pinned):
+        _allocate(_grow_to, pin=True)
     _grow_to = 0
 
 
@@ -169,6 +204,10 @@ def _at_exit() -> None:
         wait()
     except CheckpointError as err:
         log.error("%s", err)
+    if _shared is not None:  # the writer process ends once the last save is written
+        from accelkit.checkpoint import write_process
+
+        write_process.close_all()
 
 
 atexit.register(_at_exit)

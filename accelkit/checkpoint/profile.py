@@ -46,6 +46,9 @@ class SaveProfile:
     nbytes: int = 0
     tensors: int = 0
     asynchronous: bool = False
+    #: who wrote the rank file: "threads" (of this process) or "process" (the writer process
+    #: of an asynchronous save, :mod:`accelkit.checkpoint.write_process`)
+    writer: str = "threads"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @contextmanager
@@ -76,13 +79,14 @@ class SaveProfile:
             "bytes": self.nbytes,
             "tensors": self.tensors,
             "asynchronous": self.asynchronous,
+            "writer": self.writer,
         }
 
     def summary(self) -> str:
         """One line: each phase's seconds, then the threads' summed work."""
         phases = " ".join(f"{k} {v:.3f}" for k, v in self._ordered().items())
         work = " ".join(f"{k} {v:.3f}" for k, v in sorted(self.thread_work.items()))
-        return f"{phases} | threads: {work}" if work else phases
+        return f"{phases} | {self.writer}: {work}" if work else phases
 
 
 _last: dict[str, SaveProfile] = {}

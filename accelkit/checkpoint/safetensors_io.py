@@ -114,23 +114,8 @@ def write_file(
     written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
     spent per kind of work.
     """
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for key, tensor in tensors:
-        if tensor.dtype not in DTYPE_TO_ST:
-            raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors code")
-        nbytes = tensor.numel() * torch.empty((), dtype=tensor.dtype).element_size()
-        header[key] = {
-            "dtype": DTYPE_TO_ST[tensor.dtype],
-            "shape": [tensor.numel()] if flat else list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * ((-(len(raw) + 8)) % _HEADER_ALIGN)
-    data_start = 8 + len(raw)
+    prefix, offsets = layout(tensors, metadata, flat=flat)
+    data_start = len(prefix)
     own_pool = pool is None
     pool = pool or ThreadPoolExecutor(max_workers=2)
     jobs: list[tuple[str, Future, int]] = []
@@ -139,9 +124,9 @@ def write_file(
     followed: set[torch.device] = set()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _pwrite_all(fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
+        _pwrite_all(fd, memoryview(prefix), 0)
         for key, item in tensors:
-            begin = data_start + header[key]["data_offsets"][0]
+            begin = data_start + offsets[key]
             if isinstance(item, LazyTensor):
                 tensor = item.fetch()
                 if tuple(tensor.shape) != tuple(item.shape) or tensor.dtype != item.dtype:
@@ -188,6 +173,35 @@ def write_file(
         os.close(fd)
         if own_pool:
             pool.shutdown(wait=True)
+
+
+def layout(
+    tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
+    metadata: dict[str, str] | None = None,
+    *,
+    flat: bool = True,
+) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (the header's length, then the header) and each tensor's offset
+    from the end of them: the tensors follow one another in the order given."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets: dict[str, int] = {}
+    offset = 0
+    for key, tensor in tensors:
+        if tensor.dtype not in DTYPE_TO_ST:
+            raise TypeError(f"{key}: dtype {tensor.dtype} has no safetensors code")
+        nbytes = tensor.numel() * torch.empty((), dtype=tensor.dtype).element_size()
+        header[key] = {
+            "dtype": DTYPE_TO_ST[tensor.dtype],
+            "shape": [tensor.numel()] if flat else list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offsets[key] = offset
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-(len(raw) + 8)) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, offsets
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

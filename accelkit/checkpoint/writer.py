@@ -236,9 +236,22 @@ def _write_planned(
 ) -> dict[str, Any]:
     """Write a planned rank file (the tensors of ``to_write``) and complete its record."""
     rank = record["rank"]
-    out = record["fragments"]
     file_name = record["file"]["name"]
     file_path = storage.temp_dir(path) / file_name
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)}
+    shared = None
+    if profile is not None and profile.asynchronous:
+        from accelkit.checkpoint import background
+
+        shared = background.shared_staging(to_write)
+    if shared is not None:  # the snapshot is in shared memory: the writer process writes it
+        from accelkit.checkpoint import write_process
+
+        staging, spans = shared
+        digests = write_process.write_file(
+            file_path, to_write, spans, staging, metadata, checksum, profile
+        )
+        return _complete(record, digests, checksum, file_path)
     workers = max(1, min(8, (os.cpu_count() or 2)))
     initializer = None
     if profile is not None and profile.asynchronous:
@@ -247,17 +260,19 @@ def _write_planned(
         workers, initializer = min(workers, ASYNC_WRITERS), _lower_priority
     with ThreadPoolExecutor(max_workers=workers, initializer=initializer) as pool:
         digests = write_file(
-            file_path,
-            to_write,
-            {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)},
-            pool=pool,
-            checksum=checksum,
-            profile=profile,
+            file_path, to_write, metadata, pool=pool, checksum=checksum, profile=profile
         )
-    for rec in out:
+    return _complete(record, digests, checksum, file_path)
+
+
+def _complete(
+    record: dict[str, Any], digests: dict[str, str], checksum: str, file_path: Path
+) -> dict[str, Any]:
+    """The rank's record with each fragment's checksum and the file's size."""
+    for rec in record["fragments"]:
         rec["digest"] = digests.get(rec["key"], "")
         rec["algorithm"] = checksum
-    record["file"] = {"name": file_name, "bytes": file_path.stat().st_size}
+    record["file"] = {"name": record["file"]["name"], "bytes": file_path.stat().st_size}
     return record
 
 
@@ -408,6 +423,10 @@ def save(
     started = time.perf_counter()
     profile = profiling.SaveProfile(asynchronous=asynchronous)
     check_algorithm(checksum)
+    if asynchronous:
+        from accelkit.checkpoint import write_process
+
+        write_process.enabled()  # a misspelt ACCELKIT_ASYNC_WRITER is refused now, not later
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     backend = backend_of(accel)
