@@ -196,3 +196,25 @@ def test_an_unknown_writer_choice_is_refused_before_anything_is_written(tmp_path
     with pytest.raises(accelkit.CheckpointError, match=r"'process' \(the default\) or 'threads'"):
         accel.save(tmp_path / "a", state, asynchronous=True)
     assert not (tmp_path / "a").exists()
+
+
+def test_a_writer_process_that_cannot_start_leaves_the_writing_to_threads(
+    tmp_path, monkeypatch, caplog
+):
+    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.profile import last_save
+
+    accel = accelkit.get("cpu", seed=0)
+    state, expected = _state_and_values(accel)
+    broken = tmp_path / "broken_worker.py"
+    broken.write_text("import sys\nsys.exit('no xxhash here')\n")
+    write_process.close_all()
+    monkeypatch.setattr(write_process, "_WORKER", broken)
+    accel.save(tmp_path / "a", state, asynchronous=True)
+    accel.wait_for_save()
+    assert last_save().writer == "threads"
+    assert "writer process is unavailable" in caplog.text
+    fresh = accelkit.get("cpu", seed=0)
+    other, other_opt = _setup(fresh, seed=5)
+    fresh.load(tmp_path / "a", {"model": other, "optimizer": other_opt, "step": 0})
+    assert all(torch.equal(v, expected[k]) for k, v in other.state_dict().items())

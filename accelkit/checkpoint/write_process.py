@@ -44,6 +44,10 @@ def enabled() -> bool:
     return wanted == "process" and hasattr(os, "memfd_create") and sys.platform == "linux"
 
 
+class WriterUnavailable(RuntimeError):
+    """The writer process could not start: the save falls back to threads."""
+
+
 class SharedStaging:
     """``nbytes`` of host memory another process can map (a memfd), pinned on request."""
 
@@ -71,7 +75,10 @@ class SharedStaging:
         self.pinned = True
 
     def writer(self) -> _Writer:
+        """This buffer's writer process, started now if it is not running (raises
+        :class:`WriterUnavailable` if it cannot start)."""
         if self._writer is None or not self._writer.alive():
+            self._writer = None
             self._writer = _Writer(self.fd, self.nbytes)
         return self._writer
 
@@ -118,18 +125,25 @@ class _Writer:
     def __init__(self, fd: int, nbytes: int) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # xxhash where we found it
-        self.process = subprocess.Popen(
-            [sys.executable, str(_WORKER), str(fd), str(nbytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            pass_fds=(fd,),
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        hello = self._reply("starting")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, str(_WORKER), str(fd), str(nbytes)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=(fd,),
+                env=env,
+                text=True,
+                bufsize=1,
+            )
+        except OSError as err:
+            raise WriterUnavailable(f"cannot start {_WORKER.name}: {err}") from err
+        try:
+            hello = self._reply("starting")
+        except (CheckpointError, ValueError) as err:
+            raise WriterUnavailable(str(err)) from err
         if "ready" not in hello:
-            raise CheckpointError(f"the checkpoint writer process did not start: {hello}")
+            self.close()
+            raise WriterUnavailable(f"{_WORKER.name} did not start: {hello}")
         _live.add(self)
 
     def alive(self) -> bool:
@@ -184,13 +198,13 @@ def write_file(
     path: Path,
     to_write: list[tuple[str, torch.Tensor]],
     spans: list[tuple[int, int]],
-    staging: SharedStaging,
+    writer: _Writer,
     metadata: dict[str, str],
     checksum: str,
     profile: Any = None,
 ) -> dict[str, str]:
-    """Write a safetensors rank file whose tensors all lie in ``staging`` (at ``spans``): the
-    header here, the data by the writer process. Returns key -> digest."""
+    """Write a safetensors rank file whose tensors all lie in the shared buffer of ``writer``
+    (at ``spans``): the header here, the data by the writer process. Returns key -> digest."""
     from accelkit.checkpoint.safetensors_io import layout
 
     prefix, offsets = layout(to_write, metadata)
@@ -204,7 +218,7 @@ def write_file(
         for (key, _), (offset, nbytes) in zip(to_write, spans, strict=True)
     ]
     with _lock:
-        reply = staging.writer().write(path, items, checksum, fsync=True)
+        reply = writer.write(path, items, checksum, fsync=True)
     if profile is not None:
         profile.writer = "process"
         profile.add_work("pwrite", reply["pwrite"])

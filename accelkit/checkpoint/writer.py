@@ -248,10 +248,16 @@ def _write_planned(
         from accelkit.checkpoint import write_process
 
         staging, spans = shared
-        digests = write_process.write_file(
-            file_path, to_write, spans, staging, metadata, checksum, profile
-        )
-        return _complete(record, digests, checksum, file_path)
+        try:
+            process = staging.writer()
+        except write_process.WriterUnavailable as err:
+            log.warning("the checkpoint writer process is unavailable (%s); threads write", err)
+            process = None
+        if process is not None:
+            digests = write_process.write_file(
+                file_path, to_write, spans, process, metadata, checksum, profile
+            )
+            return _complete(record, digests, checksum, file_path)
     workers = max(1, min(8, (os.cpu_count() or 2)))
     initializer = None
     if profile is not None and profile.asynchronous:
