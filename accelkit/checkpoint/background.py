@@ -38,6 +38,7 @@ _buffer: torch.Tensor | None = None
 _pinned = False  # whether _buffer is page-locked for the GPU
 _shared: Any = None  # the SharedStaging behind _buffer, when a writer process can read it
 _grow_to = 0  # bytes of pinned staging the next save wants (set by a device-side snapshot)
+_grow_device: torch.device | None = None  # the GPU that snapshot came from
 
 
 class _Save:
@@ -126,12 +127,13 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
       the host buffer for the next save, so the first save does not stall on pinning;
     - else into the host buffer, (re)allocated now (pinned for device tensors).
     """
-    global _grow_to
+    global _grow_to, _grow_device
     from accelkit.checkpoint.safetensors_io import LazyTensor
 
     items = [(k, t.fetch() if isinstance(t, LazyTensor) else t.detach()) for k, t in tensors]
     total = sum(-(-_nbytes(t) // 64) * 64 for _, t in items)  # each copy 64-byte aligned
-    on_device = any(t.device.type == "cuda" for _, t in items)
+    device = next((t.device for _, t in items if t.device.type == "cuda"), None)
+    on_device = device is not None
     ready = _buffer is not None and _buffer.numel() >= total
     ready = ready and (not on_device or _pinned)
     if on_device and not ready and _device_has_room(items):
@@ -139,10 +141,10 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
         done = torch.cuda.Event()
         done.record()
         done.synchronize()
-        _grow_to = max(_grow_to, total)
+        _grow_to, _grow_device = max(_grow_to, total), device
         return out
     if not ready:
-        _allocate(max(total, 1), pin=on_device)
+        _allocate(max(total, 1), pin=device)
     assert _buffer is not None
     out, offset = [], 0
     for key, tensor in items:
@@ -158,9 +160,10 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _allocate(nbytes: int, pin: bool) -> None:
+def _allocate(nbytes: int, pin: torch.device | None) -> None:
     """(Re)allocate the snapshot buffer: shared memory for a writer process where it can be
-    had, else process memory (pinned with ``pin``)."""
+    had, else process memory; page-locked for the GPU ``pin`` (the state's device, so the
+    calling thread touches no other GPU)."""
     global _buffer, _pinned, _shared
     from accelkit.checkpoint import write_process
 
@@ -170,13 +173,17 @@ def _allocate(nbytes: int, pin: bool) -> None:
         _shared = None
     if write_process.enabled():
         try:
-            _shared = write_process.SharedStaging(nbytes, pin=pin)
+            _shared = write_process.SharedStaging(nbytes, pin_for=pin)
             _buffer, _pinned = _shared.tensor, _shared.pinned
             return
         except Exception as err:  # no shared memory here: the threads write instead
             log.debug("asynchronous saves write from threads (no shared staging: %s)", err)
-    _buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    _pinned = pin
+    if pin is None:
+        _buffer = torch.empty(nbytes, dtype=torch.uint8)
+    else:
+        with torch.cuda.device(pin):
+            _buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    _pinned = pin is not None
 
 
 def shared_staging(to_write: list[tuple[str, Any]]) -> tuple[Any, list[tuple[int, int]]] | None:
@@ -193,10 +200,10 @@ def shared_staging(to_write: list[tuple[str, Any]]) -> tuple[Any, list[tuple[int
 def grow_staging() -> None:
     """Pin the host buffer a device-side snapshot asked for (in the background thread, after
     that snapshot is written), so the next save copies straight into pinned memory."""
-    global _grow_to
+    global _grow_to, _grow_device
     if _grow_to and (_buffer is None or _buffer.numel() < _grow_to or not _pinned):
-        _allocate(_grow_to, pin=True)
-    _grow_to = 0
+        _allocate(_grow_to, pin=_grow_device)
+    _grow_to, _grow_device = 0, None
 
 
 def _at_exit() -> None:

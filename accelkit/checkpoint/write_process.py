@@ -15,6 +15,7 @@ the threads, and says so at debug level.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import mmap
@@ -49,9 +50,10 @@ class WriterUnavailable(RuntimeError):
 
 
 class SharedStaging:
-    """``nbytes`` of host memory another process can map (a memfd), pinned on request."""
+    """``nbytes`` of host memory another process can map (a memfd), page-locked for the GPU
+    ``pin_for`` when given."""
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
+    def __init__(self, nbytes: int, pin_for: torch.device | None = None) -> None:
         self.nbytes = nbytes
         self.fd = os.memfd_create("accelkit-staging")
         self.pinned = False
@@ -59,20 +61,26 @@ class SharedStaging:
             os.ftruncate(self.fd, nbytes)
             self._map = mmap.mmap(self.fd, nbytes)
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-            if pin:
-                self._register()
+            if pin_for is not None:
+                self._register(pin_for)
         except BaseException:
             self.release()
             raise
         self._writer: _Writer | None = None
 
-    def _register(self) -> None:
-        """Page-lock the buffer for the GPU (as a pinned allocation is), so device-to-host
-        copies into it run at full speed and asynchronously."""
-        code = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0))
+    def _register(self, device: torch.device) -> None:
+        """Page-lock the buffer (as a pinned allocation is), so device-to-host copies into it
+        run at full speed and asynchronously. Registered under ``device``'s context, so a
+        background thread (whose current device is 0) makes no context on another rank's GPU;
+        portable, so every context sees it pinned."""
+        portable = 1  # cudaHostRegisterPortable
+        with torch.cuda.device(device):
+            code = int(
+                torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, portable)
+            )
         if code != 0:
             raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
-        self.pinned = True
+        self.pinned, self._device = True, device
 
     def writer(self) -> _Writer:
         """This buffer's writer process, started now if it is not running (raises
@@ -88,7 +96,8 @@ class SharedStaging:
         if writer is not None:
             writer.close()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            with torch.cuda.device(self._device):
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         self.tensor = None
         mapping = getattr(self, "_map", None)
@@ -124,7 +133,10 @@ class _Writer:
 
     def __init__(self, fd: int, nbytes: int) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # xxhash where we found it
+        found = importlib.util.find_spec("xxhash")
+        if found is not None and found.origin:  # xxhash where this process found it, and no more
+            site = str(Path(found.origin).parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (site, env.get("PYTHONPATH"))))
         try:
             self.process = subprocess.Popen(
                 [sys.executable, str(_WORKER), str(fd), str(nbytes)],
