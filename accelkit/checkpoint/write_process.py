@@ -152,6 +152,7 @@ class _Writer:
         try:
             hello = self._reply("starting")
         except (CheckpointError, ValueError) as err:
+            self.close()
             raise WriterUnavailable(str(err)) from err
         if "ready" not in hello:
             self.close()
