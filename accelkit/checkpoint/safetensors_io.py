@@ -27,6 +27,7 @@ from accelkit.checkpoint import staging
 from accelkit.checkpoint.digest import digest as digest_of
 from accelkit.checkpoint.digest import hasher as new_hasher
 from accelkit.checkpoint.staging import start_writeback
+from accelkit.checkpoint.write_worker import pwrite_all
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -124,7 +125,7 @@ def write_file(
     followed: set[torch.device] = set()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _pwrite_all(fd, memoryview(prefix), 0)
+        pwrite_all(fd, memoryview(prefix), 0)
         for key, item in tensors:
             begin = data_start + offsets[key]
             if isinstance(item, LazyTensor):
@@ -204,12 +205,6 @@ def layout(
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
 def _write_and_hash(
     fd: int,
     view: memoryview,
@@ -221,7 +216,7 @@ def _write_and_hash(
     """Runs in a pool thread: both calls release the GIL."""
     started = time.perf_counter()
     if view.nbytes:
-        _pwrite_all(fd, view, offset)
+        pwrite_all(fd, view, offset)
         start_writeback(fd, offset, view.nbytes)
     written = time.perf_counter()
     digest = digest_of(checksum, view)
@@ -258,7 +253,7 @@ def _stream_device_tensor(
         event.synchronize()
         copied = time.perf_counter()
         view = tensor_bytes(slot[: hi - lo])
-        _pwrite_all(fd, view, offset + lo)
+        pwrite_all(fd, view, offset + lo)
         start_writeback(fd, offset + lo, hi - lo)
         written = time.perf_counter()
         hasher.update(view)

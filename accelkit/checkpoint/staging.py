@@ -18,20 +18,18 @@ or after 30 s).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
 import queue
 import threading
 from typing import Any
 
 import torch
 
+from accelkit.checkpoint.write_worker import SYNC_FILE_RANGE_WRITE, load_sync_file_range
+
 #: bytes per pinned slot of a synchronous save (two slots per writer thread)
 SLOT_BYTES = 8 << 20
 
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Any = None
+_sync_file_range: Any = False  # False: not looked up yet; None: missing or turned off
 _lock = threading.Lock()
 _slots: _DeviceSlots | None = None
 
@@ -41,23 +39,10 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     without waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op where it is missing).
     Durability still comes from the ``fsync`` that follows."""
     global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = _load_sync_file_range()
-    if _sync_file_range is not False and nbytes > 0:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def _load_sync_file_range() -> Any:
-    if os.environ.get("ACCELKIT_NO_EARLY_WRITEBACK"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.sync_file_range
-    except (OSError, AttributeError):
-        return False
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
+    if _sync_file_range is False:
+        _sync_file_range = load_sync_file_range()
+    if _sync_file_range is not None and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)
 
 
 class _DeviceSlots:

@@ -22,7 +22,6 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -173,9 +172,9 @@ class _Writer:
         return json.loads(line)
 
     def write(
-        self, path: Path, items: list[tuple[int, int, int, str]], checksum: str, fsync: bool
+        self, path: Path, items: list[tuple[int, int, int, str]], checksum: str
     ) -> dict[str, Any]:
-        request = {"path": str(path), "items": items, "algorithm": checksum, "fsync": fsync}
+        request = {"path": str(path), "items": items, "algorithm": checksum}
         try:
             assert self.process.stdin is not None
             self.process.stdin.write(json.dumps(request) + "\n")
@@ -204,7 +203,6 @@ class _Writer:
 
 
 _live: set[_Writer] = set()
-_lock = threading.Lock()
 
 
 def write_file(
@@ -219,19 +217,19 @@ def write_file(
     """Write a safetensors rank file whose tensors all lie in the shared buffer of ``writer``
     (at ``spans``): the header here, the data by the writer process. Returns key -> digest."""
     from accelkit.checkpoint.safetensors_io import layout
+    from accelkit.checkpoint.write_worker import pwrite_all
 
     prefix, offsets = layout(to_write, metadata)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.pwrite(fd, prefix, 0)
+        pwrite_all(fd, memoryview(prefix), 0)
     finally:
         os.close(fd)
     items = [
         (len(prefix) + offsets[key], offset, nbytes, key)
         for (key, _), (offset, nbytes) in zip(to_write, spans, strict=True)
     ]
-    with _lock:
-        reply = writer.write(path, items, checksum, fsync=True)
+    reply = writer.write(path, items, checksum)
     if profile is not None:
         profile.writer = "process"
         profile.add_work("pwrite", reply["pwrite"])

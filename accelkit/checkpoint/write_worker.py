@@ -1,15 +1,16 @@
 """The asynchronous save's writer process: it writes and checksums a rank file's tensors from the
 staging memory it shares with the training process.
 
-Run as a script (``python write_worker.py FD NBYTES``), never imported by accelkit: it uses the
-standard library and ``xxhash`` alone, so it starts in milliseconds, and it shares nothing with
-training but that memory. A writer thread in the training process would take the GIL back
+Run as a script (``python write_worker.py FD NBYTES``). It uses the standard library and
+``xxhash`` alone, so it starts in milliseconds and shares nothing with training but that memory;
+for the same reason it is the one home of the two file calls the in-process writers use too
+(:func:`pwrite_all`, :func:`load_sync_file_range`): importing it costs nothing. A writer thread in the training process would take the GIL back
 after every write and checksum call, and a step whose Python thread launches many small kernels
 pays for each hand-off; this process never contends for it.
 
 Protocol: one JSON request per line on stdin, one JSON reply per line on stdout.
 
-- ``{"path", "items": [[file_offset, buffer_offset, nbytes, key], ...], "algorithm", "fsync"}``:
+- ``{"path", "items": [[file_offset, buffer_offset, nbytes, key], ...], "algorithm"}``:
   write each item's bytes from the shared buffer into the existing file ``path`` at its offset,
   in pieces, each piece handed to the kernel's writeback at once and checksummed while it is
   still in cache; then fsync. Reply ``{"digests": {key: hex}, "pwrite": s, "checksum": s,
@@ -21,7 +22,7 @@ It exits when stdin closes (the training process ended, or replaced its staging 
 import os
 import sys
 
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(__file__):
     sys.path.pop(0)  # the script's folder holds modules named like the standard library's
 
 import ctypes
@@ -33,7 +34,7 @@ import time
 
 #: bytes per write call: each piece goes to writeback and is hashed while still in cache
 PIECE = 8 << 20
-_SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WRITE = 2
 
 
 def _hasher(algorithm):
@@ -46,7 +47,9 @@ def _hasher(algorithm):
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
 
 
-def _sync_file_range():
+def load_sync_file_range():
+    """libc's ``sync_file_range``, or None where it is missing or ``ACCELKIT_NO_EARLY_WRITEBACK``
+    is set (then writes are left to the kernel until the fsync)."""
     if os.environ.get("ACCELKIT_NO_EARLY_WRITEBACK"):
         return None
     try:
@@ -57,6 +60,13 @@ def _sync_file_range():
     func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     func.restype = ctypes.c_int
     return func
+
+
+def pwrite_all(fd, view, offset):
+    """Write all of ``view`` at ``offset`` (``pwrite`` may write less than asked)."""
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def write(buffer, request, writeback):
@@ -72,21 +82,18 @@ def write(buffer, request, writeback):
             for lo in range(0, nbytes, PIECE):
                 piece = view[buffer_offset + lo : buffer_offset + min(nbytes, lo + PIECE)]
                 started = time.perf_counter()
-                done = 0
-                while done < len(piece):
-                    done += os.pwrite(fd, piece[done:], file_offset + lo + done)
+                pwrite_all(fd, piece, file_offset + lo)
                 if writeback is not None:
-                    writeback(fd, file_offset + lo, len(piece), _SYNC_FILE_RANGE_WRITE)
+                    writeback(fd, file_offset + lo, len(piece), SYNC_FILE_RANGE_WRITE)
                 written = time.perf_counter()
                 hasher.update(piece)
                 times["pwrite"] += written - started
                 times["checksum"] += time.perf_counter() - written
                 piece.release()
             digests[key] = hasher.hexdigest()
-        if request.get("fsync", True):
-            started = time.perf_counter()
-            os.fsync(fd)
-            times["fsync"] = time.perf_counter() - started
+        started = time.perf_counter()
+        os.fsync(fd)
+        times["fsync"] = time.perf_counter() - started
     finally:
         os.close(fd)
         view.release()
@@ -103,7 +110,7 @@ def main(argv):
         pass
     buffer = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
     os.close(fd)
-    writeback = _sync_file_range()
+    writeback = load_sync_file_range()
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         try:

@@ -247,9 +247,9 @@ def _write_planned(
     if shared is not None:  # the snapshot is in shared memory: the writer process writes it
         from accelkit.checkpoint import write_process
 
-        staging, spans = shared
+        shared_buffer, spans = shared
         try:
-            process = staging.writer()
+            process = shared_buffer.writer()
         except write_process.WriterUnavailable as err:
             log.warning("the checkpoint writer process is unavailable (%s); threads write", err)
             process = None
