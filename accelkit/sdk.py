@@ -23,6 +23,8 @@ The groups:
 - the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
   layouts and the loaders of :mod:`accelkit.checkpoint.sharded`, the codec, names, and the
   foreign-format import helpers of ``accelkit convert``;
+- restricted unpickling (docs/plugins.md, "Reading pickled checkpoints"): the one way a plugin
+  reads a pickle, :func:`restricted_torch_load` with its library's :class:`PickleAllowlist`;
 - memory estimates (``accelkit plan``): :func:`optimizer_terms`, :func:`trace_kind`, ...;
 - errors and :data:`hookimpl`.
 
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.2"
+SDK_VERSION = "1.3"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -146,6 +148,14 @@ _SOURCES: dict[str, str] = {
     "optimizer_import": "accelkit.checkpoint.importing",
     "positional_names": "accelkit.checkpoint.importing",
     "write_portable": "accelkit.checkpoint.importing",
+    # restricted unpickling (trust_pickle)
+    "PickleAllowlist": "accelkit.checkpoint.unpickle",
+    "PickleRefused": "accelkit.checkpoint.unpickle",
+    "StandIn": "accelkit.checkpoint.unpickle",
+    "conversion_allowlist": "accelkit.checkpoint.unpickle",
+    "pickle_globals": "accelkit.checkpoint.unpickle",
+    "restricted_torch_load": "accelkit.checkpoint.unpickle",
+    "tensor_allowlist": "accelkit.checkpoint.unpickle",
     # memory estimates (accelkit plan)
     "LOW_PRECISIONS": "accelkit.benchmark.memory",
     "OPTIMIZERS": "accelkit.benchmark.memory",
@@ -264,6 +274,13 @@ __all__ = [
     "optimizer_import",
     "positional_names",
     "write_portable",
+    "PickleAllowlist",
+    "PickleRefused",
+    "StandIn",
+    "conversion_allowlist",
+    "pickle_globals",
+    "restricted_torch_load",
+    "tensor_allowlist",
     "LOW_PRECISIONS",
     "OPTIMIZERS",
     "estimate_fsdp",
@@ -354,6 +371,15 @@ if TYPE_CHECKING:
         state_like,
         tensor_fragments,
         weights_entry,
+    )
+    from accelkit.checkpoint.unpickle import (
+        PickleAllowlist,
+        PickleRefused,
+        StandIn,
+        conversion_allowlist,
+        pickle_globals,
+        restricted_torch_load,
+        tensor_allowlist,
     )
     from accelkit.checkpoint.validate import (
         check_dense_load,

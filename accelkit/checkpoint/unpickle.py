@@ -2,7 +2,9 @@
 
 A pickle is a program, so it is never run as one: the unpickler here resolves only the globals
 of a :class:`PickleAllowlist` and refuses any other before anything is called. Every importer
-of a pickled format (torch files, DCP's ``.metadata``, MMEngine's ``.pth``) reads through it.
+of a pickled format (torch files, DCP's ``.metadata``, MMEngine's ``.pth``, and the plugins'
+importers through :mod:`accelkit.sdk`) reads through it: ``trust_pickle`` picks a longer list,
+never an unrestricted load.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import io
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -67,6 +69,11 @@ TENSOR_CONTAINERS = (
 )
 
 
+#: how torch pickles a tensor that carries Python attributes (``tensor.ds_id = ...``): allowed only
+#: where a list names the attributes, and then only as checked by :func:`_check_tensor_attributes`
+REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
+
+
 #: what to do about a refused pickle, for ``accelkit convert``
 CONVERT_REFUSED_HINT = (
     "accelkit unpickles nothing beyond its allowlist, with or without --trust-pickle. If you know "
@@ -90,23 +97,49 @@ class PickleAllowlist:
     """The globals a restricted load lets a pickle name, and what each one is bound to.
 
     ``names``: every global the file may name. ``bindings``: the names torch's own weights_only
-    list does not hold, each with the object it resolves to (a stand-in may take a builtin's
-    name). ``instance_types``: types whose instances an allowed callable returns and the file may
-    then fill (numpy's dtype classes).
+    list does not hold, each with the object it resolves to (a stand-in may take a class's or a
+    builtin's name). ``instance_types``: types whose instances an allowed callable returns and the
+    file may then fill (numpy's dtype classes). ``tensor_attributes``: the Python attributes a
+    plain tensor in the file may carry (DeepSpeed's ``ds_id``); empty, such a tensor is refused.
     """
 
     names: frozenset[str]
     bindings: tuple[tuple[str, Any], ...] = ()
     instance_types: tuple[type, ...] = ()
+    tensor_attributes: frozenset[str] = frozenset()
 
     def extended(
-        self, bindings: dict[str, Any], instance_types: tuple[type, ...] = ()
+        self,
+        bindings: dict[str, Any],
+        instance_types: tuple[type, ...] = (),
+        tensor_attributes: Iterable[str] = (),
     ) -> PickleAllowlist:
+        """This list and ``bindings`` (``"module.Name"`` -> the object the name resolves to)."""
         return PickleAllowlist(
             self.names | frozenset(bindings),
             self.bindings + tuple(bindings.items()),
             self.instance_types + instance_types,
+            self.tensor_attributes | frozenset(tensor_attributes),
         )
+
+
+class StandIn:
+    """Takes the place of another library's class in an allowlist, for an importer that only
+    reads fields: ``{"lib.module.Class": StandIn}``. Each object the file makes is a new StandIn
+    holding the fields the file stores (and ``args``, what the file passed to make it); nothing
+    of the class itself runs, and its library need not be installed."""
+
+    def __new__(cls, *args: Any) -> StandIn:
+        made = super().__new__(cls)
+        made.args = args
+        return made
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"StandIn({fields})"
 
 
 def tensor_allowlist() -> PickleAllowlist:
@@ -154,6 +187,7 @@ def restricted_torch_load(
     hint: str,
     mmap: bool = False,
     name: str | None = None,
+    map_location: Any = "cpu",
 ) -> Any:
     """``torch.load`` that unpickles only what ``allowlist`` allows; else :class:`PickleRefused`.
 
@@ -162,7 +196,8 @@ def restricted_torch_load(
     then ``torch.load(weights_only=True)`` runs with the allowlist's bindings, so torch's
     restricted unpickler also checks each call and each object filled. ``hint`` (what to do)
     ends each refusal; ``name`` names a ``source`` that is not a path in it. ``mmap`` maps the
-    tensors of a file given by path.
+    tensors of a file given by path (a legacy, non-zip file is read without). ``map_location``
+    as for ``torch.load``.
     """
     is_path = isinstance(source, (str, os.PathLike))
     where = os.fspath(source) if is_path else name or "the pickle"
@@ -174,21 +209,25 @@ def restricted_torch_load(
             raise CheckpointError(
                 f"{where}: not a torch.save file accelkit can read ({type(err).__name__}: {err})"
             ) from None
-        refused = tuple(sorted(named - allowlist.names))
+        allowed = allowlist.names | ({REBUILD_FROM_TYPE} if allowlist.tensor_attributes else set())
+        refused = tuple(sorted(named - allowed))
         if refused:
             raise PickleRefused(
                 f"{where}: refused to unpickle: it names {', '.join(refused)}, which accelkit's "
                 f"restricted unpickler does not allow (nothing in the file was run). {hint}",
                 refused,
             )
+        if REBUILD_FROM_TYPE in named:
+            _check_tensor_attributes(file, allowlist.tensor_attributes, where, hint)
+        mmap = mmap and is_path and _is_zip(file)
         file.seek(0)
         with _bound(allowlist):
             try:
                 return torch.load(
-                    where if mmap and is_path else file,
-                    map_location="cpu",
+                    where if mmap else file,
+                    map_location=map_location,
                     weights_only=True,
-                    mmap=mmap and is_path,
+                    mmap=mmap,
                 )
             except PickleRefused as err:
                 raise PickleRefused(f"{where}: {err}. {hint}", err.refused) from None
@@ -198,23 +237,169 @@ def restricted_torch_load(
                 ) from None
 
 
+def pickle_globals(path: str | os.PathLike) -> set[str]:
+    """Every global (``"module.name"``) the pickles of the ``torch.save`` file at ``path`` name,
+    read without unpickling anything: what an allowlist for files like it has to hold."""
+    with open(path, "rb") as file:
+        return _pickle_globals(file)
+
+
+def _is_zip(file: IO[bytes]) -> bool:
+    from torch.serialization import _is_zipfile
+
+    file.seek(0)
+    return _is_zipfile(file)
+
+
+def _pickles(file: IO[bytes]) -> Iterator[IO[bytes]]:
+    """The pickles ``torch.load`` reads from ``file``, each positioned at its start (a legacy
+    file's come one after another in the file itself)."""
+    from torch.serialization import _open_zipfile_reader
+
+    if _is_zip(file):
+        file.seek(0)
+        with _open_zipfile_reader(file) as archive:
+            yield io.BytesIO(archive.get_record("data.pkl"))
+        return
+    file.seek(0)
+    for _ in range(5):  # the legacy format: magic number, protocol, system info, data, storage keys
+        yield file
+
+
 def _pickle_globals(file: IO[bytes]) -> set[str]:
     """Every global the pickles that ``torch.load`` reads from ``file`` name, as torch reads
     them (its own record lookup, opcode parser and name mapping)."""
     from torch._weights_only_unpickler import get_globals_in_pkl
-    from torch.serialization import _is_zipfile, _open_zipfile_reader
 
-    file.seek(0)
-    if _is_zipfile(file):
-        with _open_zipfile_reader(file) as archive:
-            return get_globals_in_pkl(io.BytesIO(archive.get_record("data.pkl")))
     names: set[str] = set()
-    for _ in range(5):  # the legacy format: magic number, protocol, system info, data, storage keys
+    for pickled in _pickles(file):
         try:
-            names |= get_globals_in_pkl(file)
+            names |= get_globals_in_pkl(pickled)
         except EOFError:  # a short file: torch.load fails on it too, after these names are checked
             break
     return names
+
+
+class _Named:
+    """A global as :class:`_CallShapes` sees it: its name, nothing resolved."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Made:
+    """An object a pickle makes, as :class:`_CallShapes` sees it: what it was made from. It takes
+    items and fields as a container would, and keeps none."""
+
+    def __init__(self, made_by: Any) -> None:
+        self.made_by = made_by
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def add(self, item: Any) -> None:
+        pass
+
+
+class _CallShapes(pickle._Unpickler):
+    """Reads a pickle without resolving a name or calling anything (each global stays a
+    :class:`_Named`, each call and new object a :class:`_Made`), keeping the arguments of every
+    call of :data:`REBUILD_FROM_TYPE`: what the file would hand that function, seen before it
+    runs. The stack and memo follow pickle's own code, so the real load hands the same
+    objects."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file)
+        self.rebuilds: list[Any] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Named(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Made(None)
+
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if isinstance(func, _Named) and func.name == REBUILD_FROM_TYPE:
+            self.rebuilds.append(args)
+        self.stack[-1] = _Made(func)
+
+    def load_newobj(self) -> None:
+        self.stack.pop()
+        self.stack[-1] = _Made(self.stack[-1])
+
+    def load_newobj_ex(self) -> None:
+        del self.stack[-2:]
+        self.stack[-1] = _Made(self.stack[-1])
+
+    def load_build(self) -> None:
+        self.stack.pop()
+
+    def _instantiate(self, klass: Any, args: Any) -> None:
+        self.append(_Made(klass))
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+#: what a tensor with attributes may be rebuilt as, and from
+_TENSOR_TYPES = ("torch.Tensor", "torch.nn.parameter.Parameter")
+_TENSOR_REBUILDER_NAMES = tuple(f"torch._utils.{name}" for name in TENSOR_REBUILDERS)
+
+
+def _is_plain_tensor_rebuild(args: Any, attributes: frozenset[str]) -> bool:
+    """``args`` of one :data:`REBUILD_FROM_TYPE` call: ``(reconstructor, type, its arguments,
+    state)``, the state a dict of fields (or a pair of dicts: fields and slots)."""
+    if not (isinstance(args, tuple) and len(args) == 4):
+        return False
+    func, new_type, _, state = args
+    dicts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    return (
+        isinstance(func, _Named)
+        and func.name in _TENSOR_REBUILDER_NAMES
+        and isinstance(new_type, _Named)
+        and new_type.name in _TENSOR_TYPES
+        and all(fields is None or isinstance(fields, dict) for fields in dicts)
+        and all(isinstance(k, str) and k in attributes for f in dicts for k in f or {})
+    )
+
+
+def _check_tensor_attributes(
+    file: IO[bytes], attributes: frozenset[str], where: str, hint: str
+) -> None:
+    """Refuse the file unless each call of :data:`REBUILD_FROM_TYPE` is how torch pickles a plain
+    tensor with attributes: a tensor reconstructor named in the file, ``torch.Tensor`` or
+    ``Parameter``, and fields among ``attributes``. So the function is handed no other function
+    and no other type, and sets no other attribute."""
+    for pickled in _pickles(file):
+        shapes = _CallShapes(pickled)
+        try:
+            shapes.load()
+        except EOFError:
+            break
+        except (pickle.UnpicklingError, ValueError, TypeError, IndexError, KeyError) as err:
+            raise PickleRefused(
+                f"{where}: refused to unpickle: its pickle cannot be read ({err}). {hint}"
+            ) from None
+        for args in shapes.rebuilds:
+            if not _is_plain_tensor_rebuild(args, attributes):
+                raise PickleRefused(
+                    f"{where}: refused to unpickle: it calls {REBUILD_FROM_TYPE} with more than "
+                    f"a plain tensor and the attributes {sorted(attributes) or 'none'} (nothing in "
+                    f"the file was run). {hint}",
+                    (REBUILD_FROM_TYPE,),
+                )
 
 
 def _unpickler_reason(err: pickle.UnpicklingError) -> str:

@@ -7,7 +7,8 @@ Accepted layouts: a directory with ``model/`` (and optionally ``optimizer/``) in
 an index (``pytorch_model.bin.index.json`` or ``model.safetensors.index.json``) and its shards;
 an optimizer directory ``pytorch_optim.bin.index.json``, ``pytorch_optim_group.bin`` and shards
 of ``{parameter index: state}``. ``.bin`` files are pickles: they load only with
-``trust_pickle``. Optimizer parameter indices follow the model's parameters in order; they are
+``trust_pickle``, and then through accelkit's restricted unpickler with what ColossalAI's
+checkpoints hold: tensors, plain containers and numpy values. Optimizer parameter indices follow the model's parameters in order; they are
 named by the model's floating-point tensors whose shapes match, and refused when that is not
 unambiguous. Imports nothing from ColossalAI.
 """
@@ -21,13 +22,33 @@ from typing import Any
 
 import torch
 
-from accelkit.sdk import CheckpointError, Imported, canonical_fqn, optimizer_import, write_portable
+from accelkit.sdk import (
+    CheckpointError,
+    Imported,
+    canonical_fqn,
+    conversion_allowlist,
+    optimizer_import,
+    restricted_torch_load,
+    write_portable,
+)
 
 MODEL_INDEXES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 OPTIM_INDEX = "pytorch_optim.bin.index.json"
 PICKLE_HINT = (
-    "is a pickle (torch.save): loading it runs whatever code it carries. Pass "
-    "trust_pickle=True (--trust-pickle) only for a checkpoint you trust"
+    "is a pickle (torch.save). Pass trust_pickle=True (--trust-pickle) to read it with "
+    "accelkit's restricted unpickler: tensors, plain containers and numpy values, and no other "
+    "global"
+)
+# The list: ``pickle_globals`` of the files ColossalAI 0.5's ``booster.save_model`` and
+# ``save_optimizer`` write (``shard=True``: LowLevelZero stage 1 bf16 and 2 fp32, HybridParallel,
+# TorchDDP) finds
+# nothing beyond tensors and plain containers, so the SDK's conversion_allowlist() is it.
+#: what to do about a shard the list refuses
+REFUSED_HINT = (
+    "accelkit reads ColossalAI's shards with a restricted unpickler that allows tensors, plain "
+    "containers and numpy values, with or without trust_pickle, and nothing else. If you know "
+    "where the checkpoint comes from and what else it holds, load it with ColossalAI's Booster "
+    "in your own code and save it with accel.save (the portable format)"
 )
 BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -46,7 +67,7 @@ def _load_file(path: Path, trust_pickle: bool) -> dict[Any, Any]:
         return load_file(str(path))
     if not trust_pickle:
         raise CheckpointError(f"{path} {PICKLE_HINT}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return restricted_torch_load(path, conversion_allowlist(), hint=REFUSED_HINT, mmap=True)
 
 
 def _read_index(path: Path) -> dict[str, Any]:

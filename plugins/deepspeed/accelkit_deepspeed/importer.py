@@ -13,9 +13,11 @@ any world size -- with the optimizer state, which ``zero_to_fp32.py`` leaves out
   parameters unambiguously, the optimizer state (fp32 masters from DeepSpeed's FP16 optimizers).
 
 Weights are written as the fp32 masters (``param``); frozen parameters as stored; ``step`` per
-parameter from its group's (``"step_granularity": "group"``). The files are read with
-``torch.load(mmap=True)`` and each tensor is assembled only when written, so memory stays near
-one parameter. Tensor or pipeline parallel checkpoints (``mp_rank_01``...) are refused.
+parameter from its group's (``"step_granularity": "group"``). The files are pickles, read only
+under ``trust_pickle`` and then by accelkit's restricted unpickler with the classes DeepSpeed's
+checkpoints hold (:mod:`accelkit_deepspeed.pickles`), memory-mapped; each tensor is assembled
+only when written, so memory stays near one parameter. Tensor or pipeline parallel checkpoints
+(``mp_rank_01``...) are refused.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from accelkit.sdk import CheckpointError, canonical_fqn, drop_callables, param_g
 log = logging.getLogger("accelkit")
 
 PICKLE_HINT = (
-    "is a DeepSpeed checkpoint: its files are pickles, and loading them runs whatever code "
-    "they carry. Pass --trust-pickle (trust_pickle=True) only for a checkpoint you trust"
+    "is a DeepSpeed checkpoint: its files are pickles. Pass --trust-pickle (trust_pickle=True) "
+    "to read them with accelkit's restricted unpickler: tensors, plain containers, numpy values "
+    "and the classes DeepSpeed's checkpoints hold, and no other global"
 )
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -89,10 +92,9 @@ class DeepSpeedImporter:
 
 
 def _load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped
-        return torch.load(path, map_location="cpu", weights_only=False)
+    from accelkit_deepspeed import pickles
+
+    return pickles.load(path, pickles.import_allowlist(), mmap=True)
 
 
 def _files(folder: Path, pattern: re.Pattern[str]) -> list[Path]:

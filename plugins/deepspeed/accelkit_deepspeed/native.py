@@ -3,8 +3,11 @@
 The engine (model, fp32 masters, optimizer state) goes through ``engine.save_checkpoint`` /
 ``engine.load_checkpoint``; the rest of ``state`` (schedulers, the dataloader, other stateful
 objects, plain values) rides in DeepSpeed's ``client_state``. It is pickled, as DeepSpeed's
-files are, so loading it needs ``trust_pickle=True``. ``accelkit convert --trust-pickle``
-turns such a directory into a portable checkpoint (:mod:`accelkit_deepspeed.importer`).
+files are, so loading it needs ``trust_pickle=True``, and even then every file DeepSpeed's
+``load_checkpoint`` reads goes through accelkit's restricted unpickler with the classes
+DeepSpeed's checkpoints hold (:mod:`accelkit_deepspeed.pickles`), never through DeepSpeed's
+``torch.load(weights_only=False)``. ``accelkit convert --trust-pickle`` turns such a directory
+into a portable checkpoint (:mod:`accelkit_deepspeed.importer`).
 
 A native checkpoint holds one engine: with several models set up, ``state`` names the model (and
 optimizer) of one of them, and only that engine's loss scale and counters go in.
@@ -12,7 +15,9 @@ optimizer) of one of them, and only that engine's loss scale and counters go in.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,33 @@ def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, Any, list[s
     return engine, objects, modules, optimizers
 
 
+@contextlib.contextmanager
+def restricted_reads(engine: Any, path: str | os.PathLike) -> Iterator[None]:
+    """For the duration, the files DeepSpeed's ``load_checkpoint`` reads go through accelkit's
+    restricted unpickler: all of them go through ``engine.checkpoint_engine.load``, whose own
+    reading is ``torch.load(weights_only=False)``. A universal checkpoint, which DeepSpeed
+    reads with ``torch.load`` directly, is refused."""
+    from accelkit_deepspeed import pickles
+
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is None or engine.load_universal_checkpoint():
+        raise UnsupportedError(
+            f"{path}: this engine reads checkpoints outside DeepSpeed's checkpoint engine "
+            "(a universal checkpoint, or an engine without an optimizer), which accelkit cannot "
+            "restrict; load a portable checkpoint instead (accelkit convert --trust-pickle)"
+        )
+    allowlist = pickles.native_allowlist()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        return pickles.load(path, allowlist, map_location=map_location)
+
+    checkpoint_engine.load = load  # the instance's, over its class's method
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load
+
+
 def save(
     backend: Any,
     path: str | os.PathLike,
@@ -96,20 +128,22 @@ def load(
 ) -> dict[str, Any]:
     if not trust_pickle:
         raise CheckpointError(
-            f"{path}: a native DeepSpeed checkpoint is pickled; loading it runs whatever code it "
-            "carries. Pass trust_pickle=True only for a checkpoint you trust, or convert it "
+            f"{path}: a native DeepSpeed checkpoint is pickled. Pass trust_pickle=True to read "
+            "it with accelkit's restricted unpickler (tensors, plain containers, numpy values and "
+            "the classes DeepSpeed's checkpoints hold, and no other global), or convert it "
             "once with `accelkit convert --trust-pickle` and load the portable copy."
         )
     from accelkit_deepspeed.checkpoint import load_engine_state_of
 
     engine, objects, _, optimizers = _engine_parts(backend, state)
-    load_path, client = engine.load_checkpoint(
-        str(path),
-        tag=tag,
-        load_module_strict=strict,
-        load_optimizer_states=bool(optimizers),
-        load_lr_scheduler_states=False,
-    )
+    with restricted_reads(engine, path):
+        load_path, client = engine.load_checkpoint(
+            str(path),
+            tag=tag,
+            load_module_strict=strict,
+            load_optimizer_states=bool(optimizers),
+            load_lr_scheduler_states=False,
+        )
     if load_path is None:
         raise CheckpointError(f"{path}: DeepSpeed found no checkpoint to load there")
     saved = (client or {}).get(CLIENT_KEY, {})
