@@ -501,7 +501,7 @@ EXCEPTIONS_REFERENCE = textwrap.dedent(
                 log_level="WARNING",
             ).train()
         except Exception as err:
-            raised[name] = type(err).__name__
+            raised[name] = [type(err).__name__, str(err)]
         else:
             raised[name] = None
     print(json.dumps(raised))
@@ -545,7 +545,8 @@ def test_invalid_optim_wrapper_raises_what_mmengine_raises(
             out = self.net(x)
             return {"loss": nn.functional.cross_entropy(out, y)} if mode == "loss" else out
 
-    expected = getattr(builtins, mmengine_raises[name])
+    expected_type, expected_message = mmengine_raises[name]
+    expected = getattr(builtins, expected_type)
     with pytest.raises(ConfigError) as caught:
         AccelkitRunner(
             accelkit=dict(backend="cpu"),
@@ -563,12 +564,20 @@ def test_invalid_optim_wrapper_raises_what_mmengine_raises(
             log_level="WARNING",
         ).train()
     assert isinstance(caught.value, expected), (type(caught.value).__mro__, expected)
+    if expected_message.startswith("optimizer wrapper should be"):
+        # Runner.build_optim_wrapper's own words, which users and MMEngine's tests match on
+        assert str(caught.value) == expected_message
 
 
 def test_the_reference_raises_type_errors(mmengine_raises: dict) -> None:
     """What the test above holds the adapter to: plain MMEngine 0.10 raises TypeError for each
-    (at ``train()``; the adapter refuses at construction)."""
-    assert mmengine_raises == {name: "TypeError" for name in INVALID}
+    (at ``train()``; the adapter refuses at construction), in Runner.build_optim_wrapper's
+    words for a value that is neither a dict nor an OptimWrapper."""
+    assert {name: raised[0] for name, raised in mmengine_raises.items()} == {
+        name: "TypeError" for name in INVALID
+    }
+    worded = {n for n, raised in mmengine_raises.items() if "should be an OptimWrapper" in raised[1]}
+    assert worded == {"string", "list", "number"}
 
 
 # ---- AmpOptimWrapper loss_scale -------------------------------------------------------------

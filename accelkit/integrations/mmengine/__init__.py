@@ -12,7 +12,9 @@ FlexibleRunner::
 
 Importing this package registers ``AccelkitRunner`` (RUNNERS), ``AccelkitStrategy``
 (STRATEGIES), ``AccelkitOptimWrapper`` (OPTIM_WRAPPERS), ``AccelkitModelWrapper``
-(MODEL_WRAPPERS) and ``AccelkitCheckpointHook`` (HOOKS) in MMEngine's registries. It needs
+(MODEL_WRAPPERS) and ``AccelkitCheckpointHook`` (HOOKS) in MMEngine's registries, and makes
+MMEngine's ``CheckpointLoader`` open accelkit checkpoint directories
+(:mod:`~accelkit.integrations.mmengine.checkpoint_loader`). It needs
 ``pip install accelkit[mmengine]``; ``import accelkit`` alone never imports MMEngine.
 """
 
@@ -27,11 +29,14 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "accelkit.integrations.mmengine needs MMEngine: pip install 'accelkit[mmengine]'"
     ) from err
 
+from accelkit.integrations.mmengine import checkpoint_loader
 from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
 from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
 from accelkit.integrations.mmengine.runner import AccelkitRunner
 from accelkit.integrations.mmengine.strategy import AccelkitStrategy
+
+checkpoint_loader.register()
 
 __all__ = [
     "AccelkitCheckpointHook",

@@ -192,7 +192,7 @@ class Bridge:
                 )
             wrapped, optimizer = accel.setup(model, optim_wrapper.optimizer, **kwargs)
             optim_wrapper.attach(accel, wrapped, optimizer)
-        return AccelkitModelWrapper(accelerator=accel, model=wrapped)
+        return AccelkitModelWrapper(accelerator=accel, model=wrapped, module=model)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def partitions_parameters(self, model: torch.nn.Module) -> bool:
@@ -208,6 +208,19 @@ class Bridge:
             if type(param).__name__ == "FlatParameter":
                 return True
         return False
+
+    def _load_target(self, model: AccelkitModelWrapper) -> torch.nn.Module:
+        """What a checkpoint's weights go into. A test-time-augmentation model (``tools/test.py
+        --tta`` builds ``model = dict(**tta_model, module=model)``) holds the trained model as
+        ``.module``, and the checkpoint holds that model's weights, as MMEngine's own loader
+        reads them (``load_state_dict`` steps into a BaseTTAModel's ``.module``)."""
+        from mmengine.model import BaseTTAModel
+
+        if isinstance(model.module, BaseTTAModel) and not self.partitions_parameters(
+            model.wrapped
+        ):
+            return model.module.module
+        return model.wrapped
 
     def hook_view(self, model: AccelkitModelWrapper) -> dict[str, torch.Tensor] | None:
         """``checkpoint['state_dict']`` as MMEngine's hooks expect to see it (EMAHook swaps its
@@ -298,7 +311,7 @@ class Bridge:
             state = ckpt.load(
                 self.accel,
                 path,
-                model=model.wrapped,
+                model=self._load_target(model),
                 optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
                 strict=strict,
             )

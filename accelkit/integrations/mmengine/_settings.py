@@ -29,6 +29,12 @@ FROM_OPTIM_WRAPPER = {
     "max_grad_value": "optim_wrapper=dict(clip_grad=dict(type='value', clip_value=X))",
 }
 _WRAPPER_TYPES = ("OptimWrapper", "AmpOptimWrapper", "AccelkitOptimWrapper")
+#: MMEngine's wrappers around a library that accelkit runs as a backend: what to set instead
+BACKEND_WRAPPERS = {
+    "ApexOptimWrapper": "accelkit=dict(backend='apex', precision=...) (accelkit-apex)",
+    "DeepSpeedOptimWrapper": "accelkit=dict(backend='deepspeed', config=<its DeepSpeed config>)",
+    "ColossalAIOptimWrapper": "accelkit=dict(backend='colossalai_zero' or 'colossalai_ddp', ...)",
+}
 #: ``AmpOptimWrapper(dtype=...)`` values accelkit runs (None: MMEngine's default, float16)
 _AMP_DTYPES = (None, "float16", "bfloat16", torch.float16, torch.bfloat16)
 #: the arguments of ``torch.amp.GradScaler`` that a ``loss_scale`` dict may set
@@ -40,6 +46,13 @@ MMENGINE_DDP_DEFAULTS = {"broadcast_buffers": False}
 _DDP_WRAPPER_TYPES = ("MMDistributedDataParallel", "DistributedDataParallel")
 #: model_wrapper_cfg keys with no backend option: accelkit places the model on its device
 _PLACEMENT_KEYS = ("device_ids", "output_device")
+
+
+class _ConfigKeyError(ConfigError, KeyError):
+    """An unknown registry name: a :class:`ConfigError` that is also MMEngine's ``KeyError``."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
 
 
 class _ConfigTypeError(ConfigError, TypeError):
@@ -151,6 +164,45 @@ def read_loss_scale(loss_scale: Any) -> tuple[dict[str, Any] | None, float | Non
     )
 
 
+def optim_wrapper_subclass(type_: Any) -> type:
+    """The class that runs ``optim_wrapper=dict(type=<an OptimWrapper subclass>)`` on accelkit:
+    the subclass on top of :class:`AccelkitOptimWrapper` (its overrides call ``super()`` into
+    accelkit's backward, step and accumulation). Wrappers whose job a backend does are refused,
+    naming the backend; so is a subclass of ``AmpOptimWrapper`` (its autocast and GradScaler
+    would run beside accelkit's precision)."""
+    from mmengine.optim import AmpOptimWrapper, OptimWrapper
+    from mmengine.registry import OPTIM_WRAPPERS
+
+    name = _type_name(type_)
+    if name in BACKEND_WRAPPERS:
+        raise ConfigError(
+            f"optim_wrapper type {name!r} drives its own library; on accelkit the backend does "
+            f"that: set {BACKEND_WRAPPERS[name]} and optim_wrapper type 'OptimWrapper'"
+        )
+    cls = OPTIM_WRAPPERS.get(type_) if isinstance(type_, str) else type_
+    if cls is None:
+        # MMEngine's own words (Registry.build_from_cfg)
+        raise _ConfigKeyError(
+            f"{type_} is not in the {OPTIM_WRAPPERS.scope}::{OPTIM_WRAPPERS.name} registry. "
+            f"Please check whether the value of `{type_}` is correct or it was registered as "
+            "expected."
+        )
+    if not (isinstance(cls, type) and issubclass(cls, OptimWrapper)):
+        raise ConfigError(
+            f"optim_wrapper type {name!r} is not an OptimWrapper: accelkit runs OptimWrapper, "
+            "AmpOptimWrapper and subclasses of OptimWrapper"
+        )
+    if issubclass(cls, AmpOptimWrapper):
+        raise ConfigError(
+            f"optim_wrapper type {name!r} is an AmpOptimWrapper subclass: accelkit's precision "
+            "does AMP (its autocast and loss scaler would run twice). Derive it from "
+            "OptimWrapper and set AMP with accelkit=dict(precision='bf16-mixed' or '16-mixed')"
+        )
+    from accelkit.integrations.mmengine.optim_wrapper import on_accelkit
+
+    return on_accelkit(cls)
+
+
 def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSettings]:
     """Split MMEngine's ``optim_wrapper`` config into one accelkit can build, and settings.
 
@@ -179,8 +231,9 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
             clip_grad=clip or None,
         )
     if not hasattr(cfg, "items"):
+        # MMEngine's own words (Runner.build_optim_wrapper), which users match on
         raise _ConfigTypeError(
-            f"optim_wrapper must be an OptimWrapper or a config dict, got {type(cfg).__name__}"
+            f"optimizer wrapper should be an OptimWrapper object or dict, but got {cfg}"
         )
     cfg = dict(cfg)
     if "optimizer" not in cfg:
@@ -192,11 +245,10 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
         )
         raise _several_optimizers(what)
     wrapper_type = _type_name(cfg.get("type", "OptimWrapper"))
+    subclass = None
     if wrapper_type not in _WRAPPER_TYPES:
-        raise ConfigError(
-            f"optim_wrapper type {wrapper_type!r} cannot run on accelkit; use one of "
-            f"{', '.join(_WRAPPER_TYPES)} (accelkit's backend does what the wrapper did)"
-        )
+        subclass = optim_wrapper_subclass(cfg.get("type"))
+        wrapper_type = "OptimWrapper"
     settings = TrainingSettings()
     if wrapper_type == "AmpOptimWrapper":
         dtype = cfg.pop("dtype", None)
@@ -216,7 +268,7 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
                 "loss (bf16 has fp32's range); remove loss_scale, or use dtype='float16'"
             )
         settings.grad_scaler, settings.static_loss_scale = scaler, static
-    cfg["type"] = "AccelkitOptimWrapper"
+    cfg["type"] = "AccelkitOptimWrapper" if subclass is None else subclass
     settings.accumulation_steps = int(cfg.get("accumulative_counts", 1))
     clip = cfg.get("clip_grad")
     if clip is not None:

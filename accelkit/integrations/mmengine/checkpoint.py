@@ -471,17 +471,16 @@ def load_full_state_dict(
 # ---- export to MMEngine's own format -------------------------------------------------------------
 
 
-def export_mmengine(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Write portable checkpoint ``src`` (saved by AccelkitRunner or AccelkitStrategy) as the
-    ``.pth`` MMEngine's own Runner writes, so that plain MMEngine resumes it.
+def read_as_mmengine(src: str | os.PathLike) -> dict[str, Any]:
+    """Portable checkpoint ``src`` (saved by AccelkitRunner or AccelkitStrategy) as the dict
+    MMEngine's own Runner saves: ``meta``, ``state_dict`` (the model's weights, named as
+    ``model.state_dict()`` names them), then ``optimizer`` (a torch optimizer state dict:
+    parameters numbered in param-group order, as torch numbers them), ``param_schedulers``,
+    ``message_hub`` (HistoryBuffers) and what hooks saved (EMAHook's ``ema_state_dict``, in
+    MMEngine's swapped layout). Tensors are on the CPU.
 
-    ``state_dict`` (the model's weights, as ``model.state_dict()`` names them), ``optimizer``
-    (a torch optimizer state dict: parameters numbered in param-group order, as torch's
-    ``state_dict`` numbers them), ``param_schedulers``, ``message_hub`` (HistoryBuffers),
-    ``meta`` (epoch, iter, seed, ...) and what hooks saved (EMAHook's ``ema_state_dict``, in
-    MMEngine's swapped layout). Read from any world size and backend; written by ``torch.save``
-    (a pickle, as MMEngine's are). Not carried: accelkit's RNG state (MMEngine stores none) and a
-    backend's own state (a fp16 loss scale starts again from its initial value).
+    Reads any world size and backend. All or nothing: every checksum is verified before it
+    returns, and a damaged or incomplete checkpoint raises :class:`CheckpointError`.
     """
     from accelkit.checkpoint.codec import decode as decode_json
     from accelkit.checkpoint.reader import CheckpointReader
@@ -503,7 +502,7 @@ def export_mmengine(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                     state_dict[name] = tensor
         if objects.get(OPTIMIZER_OBJECT, {}).get("type") == "optimizer":
             checkpoint["optimizer"] = _torch_optimizer_state(reader, OPTIMIZER_OBJECT, decode_json)
-        reader.finish()  # every checksum verified before anything is written
+        reader.finish()  # every checksum verified before anything is handed out
     ema = checkpoint.get("ema_state_dict")
     if isinstance(ema, dict):
         ema = checkpoint["ema_state_dict"] = collections.OrderedDict(ema)
@@ -511,14 +510,33 @@ def export_mmengine(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     checkpoint["state_dict"] = collections.OrderedDict(state_dict)
     ordered = {k: checkpoint.pop(k) for k in ("meta", "state_dict") if k in checkpoint}
     ordered.update(checkpoint)
+    return ordered
+
+
+def write_pth(checkpoint: dict[str, Any], dst: str | os.PathLike) -> Path:
+    """``torch.save`` ``checkpoint`` to ``dst`` through a temporary sibling and a rename: a
+    crash leaves the old file or the new one, never half of one."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.accelkit-tmp")
     try:
-        torch.save(ordered, tmp)
+        torch.save(checkpoint, tmp)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
+    return dst
+
+
+def export_mmengine(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Write portable checkpoint ``src`` (saved by AccelkitRunner or AccelkitStrategy) as the
+    ``.pth`` MMEngine's own Runner writes, so that plain MMEngine resumes it.
+
+    The content is :func:`read_as_mmengine`'s, written by ``torch.save`` (a pickle, as
+    MMEngine's are). Not carried: accelkit's RNG state (MMEngine stores none) and a backend's
+    own state (a fp16 loss scale starts again from its initial value).
+    """
+    ordered = read_as_mmengine(src)
+    dst = write_pth(ordered, dst)
     log.info("wrote %s: MMEngine's checkpoint format (%s)", dst, ", ".join(ordered))
     return dst
 

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from accelkit.accelerator import Accelerator
 
 
+def _is_tta(model: Any) -> bool:
+    from mmengine.model import BaseTTAModel
+
+    return isinstance(model, BaseTTAModel)
+
+
 def _run_forward(model: Any, data: Any, mode: str) -> Any:
     """Call ``model`` on what MMEngine's data preprocessor returned (as BaseModel does)."""
     if isinstance(data, dict):
@@ -29,35 +35,82 @@ def _run_forward(model: Any, data: Any, mode: str) -> Any:
     raise TypeError(f"the data preprocessor must return a dict, list or tuple, got {type(data)}")
 
 
+def _module_handed_in(accelerator: Accelerator, wrapped: torch.nn.Module, model: Any) -> Any:
+    """The model ``setup`` was given, as it is reached from what ``setup`` returned.
+
+    ``accelerator.unwrap`` follows every ``.module``; a ``BaseTTAModel`` has one too (the model
+    it augments), and following it would run the inner model's forward instead of the TTA
+    model's ``test_step``. Walk the wrapper chain only down to the object handed in."""
+    if model is None:
+        return accelerator.unwrap(wrapped)
+    inner = wrapped
+    while inner is not model:
+        nxt = next(
+            (
+                getattr(inner, attr)
+                for attr in ("module", "_orig_mod")
+                if isinstance(getattr(inner, attr, None), torch.nn.Module)
+            ),
+            None,
+        )
+        if nxt is None:  # the backend replaced the model: its own unwrap knows where it is
+            return accelerator.unwrap(wrapped)
+        inner = nxt
+    return model
+
+
 @MODEL_WRAPPERS.register_module()
-class AccelkitModelWrapper:
+class AccelkitModelWrapper(torch.nn.Module):
     """The model from ``accel.setup`` seen through MMEngine's model-wrapper interface.
 
-    ``module`` is the user's own ``BaseModel``; ``wrapped`` is what the backend returned and what
-    the forward runs through (so DDP syncs, ZeRO-3 gathers, precision applies). Where the backend
-    did not wrap the model, the user's own ``train_step``/``val_step``/``test_step`` run, so a
-    model that overrides them keeps working.
+    An ``nn.Module`` like MMEngine's own wrappers: ``module`` (its one child) is the user's model,
+    the one handed to ``setup`` (a ``BaseTTAModel`` stays one); ``wrapped`` is what the backend
+    returned and what the forward runs through (so DDP syncs, ZeRO-3 gathers, precision
+    applies). Where the backend did not wrap the model, the user's own
+    ``train_step``/``val_step``/``test_step`` run, so a model that overrides them keeps working.
     """
 
-    def __init__(self, *, accelerator: Accelerator, model: torch.nn.Module) -> None:
-        self.accelerator = accelerator
-        self.wrapped = model
-        self.module = accelerator.unwrap(model)
+    def __init__(
+        self,
+        *,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        # plain attributes, not submodules: ``module`` is the one child, as in MMEngine's
+        # wrappers (``named_parameters`` gives ``module.<name>``)
+        object.__setattr__(self, "accelerator", accelerator)
+        object.__setattr__(self, "wrapped", model)
+        self.module = _module_handed_in(accelerator, model, module)
+        object.__setattr__(self, "_setup_module", self.module)
 
     @property
     def _unwrapped(self) -> bool:
         return self.wrapped is self.module
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names not set in __init__: delegate to the user's model
-        if name in ("wrapped", "module", "accelerator"):
-            raise AttributeError(name)
-        return getattr(self.module, name)
+    @property
+    def _module_replaced(self) -> bool:
+        """A hook set ``runner.model.module`` to another model (a TTA model around it): that
+        model's own steps run, on top of the set-up model."""
+        return self.module is not self._setup_module
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are no attribute: parameters, buffers and the child
+        # ``module`` first (nn.Module's), then the user's model, as before the wrapper existed
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapped(*args, **kwargs)
 
     def train(self, mode: bool = True) -> AccelkitModelWrapper:
+        super().train(mode)
         self.wrapped.train(mode)
         return self
 
@@ -87,20 +140,32 @@ class AccelkitModelWrapper:
         )
 
     def val_step(self, data: Any) -> list:
-        if self._direct_eval:
+        if self._direct_eval or self._module_replaced:
             return self.module.val_step(data)
         data = self.module.data_preprocessor(data, False)
         return _run_forward(self.wrapped, data, mode="predict")
 
     def test_step(self, data: Any) -> list:
-        if self._direct_eval:
+        if self._direct_eval or self._module_replaced or _is_tta(self.module):
             return self.module.test_step(data)
         data = self.module.data_preprocessor(data, False)
         return _run_forward(self.wrapped, data, mode="predict")
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The user's model state (a full gather on sharded backends)."""
-        return self.accelerator.full_state_dict(self.wrapped)
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The user's model state under its own names (a full gather on sharded backends).
+
+        Inside another module (a TTA model around ``runner.model``) it fills that module's
+        ``destination`` under ``prefix``, as the user's model there would."""
+        if args:
+            raise TypeError("AccelkitModelWrapper.state_dict takes keyword arguments only")
+        state = self.accelerator.full_state_dict(self.wrapped)
+        if destination is None:
+            return state
+        for key, value in state.items():
+            destination[prefix + key] = value
+        return destination
 
     def __repr__(self) -> str:
         return f"AccelkitModelWrapper({self.accelerator.name}: {type(self.wrapped).__name__})"

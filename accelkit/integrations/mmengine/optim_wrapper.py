@@ -161,3 +161,31 @@ class AccelkitOptimWrapper(OptimWrapper):
         self._place_window(closes=self.should_sync(), counted=self._inner_count)
         with accel.accumulate(self._model):
             yield
+
+
+_ON_ACCELKIT: dict[type, type] = {}
+
+
+def on_accelkit(wrapper_class: type[OptimWrapper]) -> type[AccelkitOptimWrapper]:
+    """``wrapper_class`` (an ``OptimWrapper`` subclass of the user's) on top of accelkit.
+
+    The class built is ``(wrapper_class, AccelkitOptimWrapper)``: Python's method order puts
+    the user's overrides first and accelkit's wrapper where ``OptimWrapper`` was, so a
+    ``super().update_params(loss)`` in the subclass goes through accelkit; what the subclass
+    does not override is accelkit's. ``isinstance(wrapper, wrapper_class)`` holds.
+    """
+    if issubclass(wrapper_class, AccelkitOptimWrapper):
+        return wrapper_class
+    built = _ON_ACCELKIT.get(wrapper_class)
+    if built is None:
+        built = type(
+            wrapper_class.__name__,
+            (wrapper_class, AccelkitOptimWrapper),
+            {
+                "__module__": wrapper_class.__module__,
+                "__qualname__": wrapper_class.__qualname__,
+                "__doc__": f"{wrapper_class.__qualname__} on accelkit (AccelkitOptimWrapper).",
+            },
+        )
+        _ON_ACCELKIT[wrapper_class] = built
+    return built

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import mmengine
+import torch
 from mmengine.model import convert_sync_batchnorm, revert_sync_batchnorm
 from mmengine.registry import RUNNERS
 from mmengine.runner import Runner
@@ -29,7 +30,7 @@ from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.integrations.mmengine import checkpoint as ckpt
 from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
-from accelkit.integrations.mmengine.hooks import use_safe_rotation
+from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook, use_safe_rotation
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
 from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
 
@@ -47,6 +48,11 @@ class AccelkitRunner(Runner):
         self._accelkit_section = accelkit
         self._bridge: Bridge | None = None
         self._weights_initialised = False
+        self._optim_settings: Any = None
+        #: the wrapper the model was set up with (None: not set up, or for evaluation only)
+        self._setup_wrapper: AccelkitOptimWrapper | None = None
+        #: inside train(): building the optimizer wrapper sets the model up with it
+        self._in_train = False
         super().__init__(*args, **kwargs)
 
     @property
@@ -63,6 +69,7 @@ class AccelkitRunner(Runner):
         optim_cfg, settings = read_optim_wrapper_cfg(self.optim_wrapper)
         if optim_cfg is not None:
             self.optim_wrapper = optim_cfg
+        self._optim_settings = settings
         self._bridge = Bridge(adapter)
         self._bridge.build_accelerator(
             settings,
@@ -104,24 +111,61 @@ class AccelkitRunner(Runner):
                 self.model.to(accel.device)
             super()._init_model_weights()
 
-    def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
+    def _set_up_model(self) -> AccelkitModelWrapper | None:
+        """The model accelkit set up, also where a hook put a model around it (PrepareTTAHook
+        makes ``runner.model`` a TTA model holding it)."""
         if isinstance(self.model, AccelkitModelWrapper):
-            if optim_wrapper is not None:
+            return self.model
+        if isinstance(self.model, torch.nn.Module):
+            for module in self.model.modules():
+                if isinstance(module, AccelkitModelWrapper):
+                    return module
+        return None
+
+    def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
+        if self._set_up_model() is not None:
+            if optim_wrapper is None or optim_wrapper is self._setup_wrapper:
+                return
+            if self._setup_wrapper is None:
                 raise UnsupportedError(
-                    "the model was set up for evaluation only; call train() before val()/test(), "
-                    "or build a new Runner to train"
+                    "the model was set up for evaluation only (val()/test() ran first); call "
+                    "train() before val()/test(), or build a new Runner to train"
                 )
-            return
+            raise UnsupportedError(
+                "the model is already set up with runner.optim_wrapper (accelkit's backend "
+                "takes a model and its optimizer together, once); train with "
+                "runner.optim_wrapper, or build a new Runner to train with another optimizer"
+            )
         if optim_wrapper is not None:  # MMEngine's val()/test() never initialise
             self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
         self.model = self._bridge.setup(self.model, optim_wrapper)
+        self._setup_wrapper = optim_wrapper
         self._bridge.check_hooks(self._hooks, self.model)  # before before_run builds EMAHook's copy
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        """MMEngine's ``build_optim_wrapper``, building an :class:`AccelkitOptimWrapper`.
+
+        As in MMEngine, every call builds a new wrapper (an ``OptimWrapper`` given is returned as
+        it is). The one ``train()`` builds (and a resume's) is the one the model is set up with;
+        a wrapper built outside ``train()`` is bound to the backend when ``train()`` starts with
+        it as ``runner.optim_wrapper``."""
+        wrapper = self._build_optim_wrapper(optim_wrapper)
+        if self._in_train:
+            self._setup_model(wrapper)
+        return wrapper
+
+    def _build_optim_wrapper(self, optim_wrapper: Any) -> AccelkitOptimWrapper:
         if isinstance(optim_wrapper, AccelkitOptimWrapper):
             return optim_wrapper
         if optim_wrapper is not self.optim_wrapper:
-            optim_wrapper, _ = read_optim_wrapper_cfg(optim_wrapper)
+            optim_wrapper, settings = read_optim_wrapper_cfg(optim_wrapper)
+            if self._optim_settings is not None and settings != self._optim_settings:
+                raise ConfigError(
+                    "this optim_wrapper trains with other settings (accumulative_counts, "
+                    "clip_grad, AMP) than the config's optim_wrapper, from which the Runner "
+                    f"built accelkit's backend ({settings} != {self._optim_settings}); change "
+                    "the config's optim_wrapper instead"
+                )
         wrapper = super().build_optim_wrapper(optim_wrapper)
         if not isinstance(wrapper, AccelkitOptimWrapper):  # a constructor built several
             raise ConfigError(
@@ -130,16 +174,36 @@ class AccelkitRunner(Runner):
                 "supported yet); configure one optimizer, or train this model with MMEngine's "
                 "own Runner"
             )
-        self._setup_model(wrapper)
         return wrapper
+
+    def train(self) -> Any:
+        self._in_train = True
+        try:
+            return super().train()
+        finally:
+            self._in_train = False
+            self._end_run()
 
     def val(self) -> dict:
         self._setup_model(None)
-        return super().val()
+        try:
+            return super().val()
+        finally:
+            self._end_run()
 
     def test(self) -> dict:
         self._setup_model(None)
-        return super().test()
+        try:
+            return super().test()
+        finally:
+            self._end_run()
+
+    def _end_run(self) -> None:
+        """Whatever way a run ends (a refusal raised after ``before_run`` included), accelkit's
+        log lines stop going into its log file."""
+        for hook in self._hooks:
+            if isinstance(hook, AccelkitCheckpointHook):
+                hook.detach_log_forwarder()
 
     def register_hooks(self, default_hooks: Any = None, custom_hooks: Any = None) -> None:
         super().register_hooks(default_hooks, custom_hooks)
@@ -169,12 +233,13 @@ class AccelkitRunner(Runner):
         resuming = getattr(self, "_resume_optimizer", None) is not None
         optim_wrapper = None
         if resuming and self._resume_optimizer:
-            optim_wrapper = self.optim_wrapper = self.build_optim_wrapper(self.optim_wrapper)
+            optim_wrapper = self.optim_wrapper = self._build_optim_wrapper(self.optim_wrapper)
+            self._setup_model(optim_wrapper)
         else:
             self._setup_model(None)
         checkpoint = self._bridge.load(
             filename,
-            self.model,
+            self._set_up_model(),
             optim_wrapper,
             strict=strict or resuming,
             revise_keys=revise_keys,
@@ -225,7 +290,8 @@ class AccelkitRunner(Runner):
                 }
             else:
                 checkpoint["param_schedulers"] = [s.state_dict() for s in self.param_schedulers]
-        if not isinstance(self.model, AccelkitModelWrapper):  # before train()/val()/test()
+        model = self._set_up_model()
+        if model is None:  # before train()/val()/test()
             ckpt.save_before_setup(
                 self.accelerator,
                 os.path.join(out_dir, filename),
@@ -234,7 +300,7 @@ class AccelkitRunner(Runner):
                 before_save=lambda c: self.call_hook("before_save_checkpoint", checkpoint=c),
             )
             return
-        view = self._bridge.hook_view(self.model)
+        view = self._bridge.hook_view(model)
         if view is not None:
             checkpoint["state_dict"] = view
         self._bridge.call_save_hooks(
@@ -243,4 +309,4 @@ class AccelkitRunner(Runner):
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         if optim_wrapper is not None and not isinstance(optim_wrapper, AccelkitOptimWrapper):
             optim_wrapper = None
-        self._bridge.save(os.path.join(out_dir, filename), self.model, optim_wrapper, checkpoint)
+        self._bridge.save(os.path.join(out_dir, filename), model, optim_wrapper, checkpoint)
