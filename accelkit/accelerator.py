@@ -599,17 +599,18 @@ class Accelerator:
         from accelkit.checkpoint import load
 
         unconsumed = load(self, path, state, strict=strict, **kwargs)
-        self._restore_applied_steps(path)
+        self._restore_applied_steps(path, kwargs.get("storage_options"))
         return unconsumed
 
-    def _restore_applied_steps(self, path: str | os.PathLike) -> None:
+    def _restore_applied_steps(
+        self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None
+    ) -> None:
         """Continue :attr:`applied_steps` from the checkpoint's count, so a resumed run logs and
         saves at the steps an uninterrupted one would; checkpoints written before the count was
         saved leave it as it is."""
-        from accelkit.checkpoint import resolve
-        from accelkit.checkpoint.manifest import Manifest
+        from accelkit.checkpoint import read_manifest
 
-        saved = Manifest.read(resolve(path), verify_checksum=False).data.get("applied_steps")
+        saved = read_manifest(path, storage_options=storage_options).data.get("applied_steps")
         if isinstance(saved, int) and not isinstance(saved, bool):
             self._applied_steps = saved
 

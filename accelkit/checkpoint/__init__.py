@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accelkit.backend import set_checkpoint_defaults
-from accelkit.checkpoint import dense, storage
+from accelkit.checkpoint import dense, objectstore, storage, writer
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint.fqn import canonical_fqn
@@ -35,7 +35,7 @@ from accelkit.checkpoint.fragments import (
 from accelkit.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from accelkit.checkpoint.reader import CheckpointReader
 from accelkit.checkpoint.validate import Sections, read_sections, verify_share
-from accelkit.checkpoint.writer import agree, backend_of, save, was_agreed
+from accelkit.checkpoint.writer import agree, backend_of, was_agreed
 from accelkit.errors import CheckpointError, PartialLoadError
 
 log = logging.getLogger("accelkit")
@@ -65,6 +65,48 @@ def resolve(path: str | os.PathLike) -> Path:
     return storage.resolve(path)
 
 
+def save(
+    accel: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Path | str:
+    """Write a portable checkpoint of ``state`` to ``path``: a directory
+    (:func:`accelkit.checkpoint.writer.save`, whose keywords apply to both) or an object-storage
+    location ``s3://bucket/prefix`` (:mod:`accelkit.checkpoint.remote`; ``storage_options``
+    overrides the AWS_* configuration). A path with another scheme is refused."""
+    where = objectstore.location(path)
+    if where is None:
+        _no_options(storage_options, path)
+        return writer.save(accel, path, state, **kwargs)
+    from accelkit.checkpoint import remote
+
+    return remote.save(accel, where, state, storage_options=storage_options, **kwargs)
+
+
+def read_manifest(
+    path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None
+) -> Manifest:
+    """The manifest of the checkpoint ``path`` names (after ``latest``), local or s3://."""
+    where = objectstore.location(path)
+    if where is None:
+        return Manifest.read(storage.resolve(path), verify_checksum=False)
+    from accelkit.checkpoint import remote
+
+    with remote.fetched(where, storage_options, manifest_only=True) as local:
+        return Manifest.read(local, verify_checksum=False)
+
+
+def _no_options(storage_options: dict[str, Any] | None, path: Any) -> None:
+    if storage_options is not None:
+        raise CheckpointError(
+            f"storage_options apply to object storage (s3://bucket/prefix), not to the local "
+            f"path {path}; leave them out"
+        )
+
+
 def load(
     accel: Any,
     path: str | os.PathLike,
@@ -73,10 +115,12 @@ def load(
     strict: bool = True,
     rng: bool = True,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the objects of ``state`` in place from the checkpoint at ``path``.
 
-    ``path`` is a checkpoint directory or a directory with a ``latest`` pointer. Models and
+    ``path`` is a checkpoint directory or a directory with a ``latest`` pointer, on disk or in
+    object storage (``s3://bucket/prefix``; ``storage_options`` overrides the AWS_* settings). Models and
     optimizers are filled by the backend's ``load_fragments`` (this rank's ranges only);
     schedulers and other stateful objects through ``load_state_dict``; plain values in ``state``
     are replaced by the saved ones. Returns the saved values whose names are not in ``state``.
@@ -98,7 +142,15 @@ def load(
     unconsumed: dict[str, Any] = {}
     error = None
     try:
-        unconsumed = _load(backend, path, state, strict=strict, rng=rng, verify=verify)
+        unconsumed = _load(
+            backend,
+            path,
+            state,
+            strict=strict,
+            rng=rng,
+            verify=verify,
+            storage_options=storage_options,
+        )
     except Exception as err:
         if was_agreed(err):  # every rank raises it already
             raise
@@ -116,13 +168,47 @@ def load_pretrained(
     rename: Any = None,
     strip_prefix: str | None = None,
     add_prefix: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Fill ``model`` (set up on any backend) from pretrained weights; see
-    :mod:`accelkit.checkpoint.pretrained`. An accelkit checkpoint loads its ``"model"``."""
+    :mod:`accelkit.checkpoint.pretrained`. An accelkit checkpoint loads its ``"model"``. An
+    ``s3://`` source is downloaded to a temporary directory first (its safetensors files, with
+    their index)."""
     from accelkit.checkpoint import background
     from accelkit.checkpoint.pretrained import open_pretrained
 
     background.wait()
+    where = objectstore.location(source)
+    if where is not None:
+        from accelkit.checkpoint import remote
+
+        if remote.holds_checkpoint(where, storage_options):
+            if rename is not None or strip_prefix or add_prefix:
+                raise CheckpointError(
+                    f"{where} is an accelkit checkpoint: its names are the model's own; rename, "
+                    "strip_prefix and add_prefix apply to safetensors sources only"
+                )
+            load(
+                accel,
+                where,
+                {"model": model},
+                strict=strict,
+                rng=False,
+                storage_options=storage_options,
+            )
+            return
+        with remote.fetched_pretrained(where, storage_options) as local:
+            load_pretrained(
+                accel,
+                model,
+                local,
+                strict=strict,
+                rename=rename,
+                strip_prefix=strip_prefix,
+                add_prefix=add_prefix,
+            )
+        return
+    _no_options(storage_options, source)
     source = Path(source)
     if source.is_dir() and (
         (source / "accelkit.json").is_file() or (source / storage.LATEST_NAME).is_file()
@@ -149,8 +235,22 @@ def load_pretrained(
 
 
 def _load(
-    backend: Any, path: Any, state: dict[str, Any], *, strict: bool, rng: bool, verify: bool
+    backend: Any,
+    path: Any,
+    state: dict[str, Any],
+    *,
+    strict: bool,
+    rng: bool,
+    verify: bool,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    where = objectstore.location(path)
+    if where is not None:  # object storage: the disk reader reads a local copy
+        from accelkit.checkpoint import remote
+
+        with remote.fetched(where, storage_options) as local:
+            return _load(backend, local, state, strict=strict, rng=rng, verify=verify)
+    _no_options(storage_options, path)
     profile = profiling.SaveProfile()
     with profile.phase("open"):
         directory = storage.resolve(path)

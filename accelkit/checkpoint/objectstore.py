@@ -1,0 +1,419 @@
+"""Where a checkpoint path points: a local directory, or an object in S3-compatible storage.
+
+``s3://bucket/prefix`` is served by :class:`ObjectStore`, a small interface (put, get a range,
+list, delete, conditional create) over boto3, the optional extra ``accelkit[s3]``. boto3 was
+chosen by measurement against obstore, s3fs and the S3 connector for PyTorch on the same server
+(docs/checkpoint.md, "Object storage"), and it reads the standard configuration itself:
+``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``,
+``AWS_PROFILE`` and the shared config files. ``storage_options`` overrides them per call.
+
+A path with any other scheme (``gs://``, ``hdfs://``) is refused, never written as a local
+folder named ``gs:``. Local paths never import anything from here beyond :func:`location`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accelkit.errors import CheckpointError
+
+log = logging.getLogger("accelkit")
+
+__all__ = ["ObjectStore", "S3Location", "location", "store_for"]
+
+SCHEMES = ("s3",)
+INSTALL_HINT = "pip install 'accelkit[s3]'"
+#: multipart part size and the parallel requests of one transfer
+PART_BYTES = 8 << 20
+CONCURRENCY = 8
+#: attempts per request (botocore's standard mode: bounded exponential backoff)
+MAX_ATTEMPTS = 5
+CONNECT_TIMEOUT = 10
+READ_TIMEOUT = 60
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: the storage_options accelkit understands (besides ``profile``), as boto3 client arguments
+_CLIENT_OPTIONS = {
+    "endpoint_url": "endpoint_url",
+    "aws_access_key_id": "aws_access_key_id",
+    "aws_secret_access_key": "aws_secret_access_key",
+    "aws_session_token": "aws_session_token",
+    "region_name": "region_name",
+    # the spellings of s3fs / fsspec and MMEngine's backend_args
+    "key": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "token": "aws_session_token",
+    "region": "region_name",
+    "endpoint": "endpoint_url",
+}
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """``s3://bucket/key``: ``key`` is a prefix without a trailing slash (a "directory")."""
+
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}" if self.key else f"s3://{self.bucket}"
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> S3Location:
+        return S3Location(self.bucket, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    def child(self, name: str) -> S3Location:
+        return S3Location(self.bucket, f"{self.key}/{name}" if self.key else name)
+
+
+def scheme_of(path: Any) -> str | None:
+    """The URL scheme of ``path`` (``"s3"``), or None for a local path."""
+    if isinstance(path, S3Location):
+        return "s3"
+    if not isinstance(path, str):
+        return None
+    match = _SCHEME.match(path)
+    return match.group(1).lower() if match else None
+
+
+def location(path: Any) -> S3Location | None:
+    """The object-storage location ``path`` names, None for a local path; any other scheme is
+    refused with the list of what is supported."""
+    if isinstance(path, S3Location):
+        return path
+    scheme = scheme_of(path)
+    if scheme is None:
+        return None
+    if scheme not in SCHEMES:
+        raise CheckpointError(
+            f"{path}: the scheme {scheme}:// is not supported; accelkit reads and writes "
+            "checkpoints on a local or shared filesystem (a path) and in S3-compatible object "
+            f"storage (s3://bucket/prefix, with {INSTALL_HINT}). For another store, mount it "
+            "as a filesystem or use its S3-compatible endpoint."
+        )
+    rest = path[len(scheme) + 3 :]
+    bucket, _, key = rest.partition("/")
+    key = key.strip("/")
+    if not bucket or "//" in key or any(part in (".", "..") for part in key.split("/")):
+        raise CheckpointError(
+            f"{path}: not a valid S3 location; write it as s3://bucket/prefix/name"
+        )
+    return S3Location(bucket, key)
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+        import botocore
+    except ImportError as err:
+        raise CheckpointError(
+            f"object storage (s3://) needs boto3, which is not installed: {INSTALL_HINT}"
+        ) from err
+    return boto3, botocore
+
+
+class ObjectMissing(CheckpointError):
+    """The object (or the bucket) does not exist."""
+
+
+class ObjectExists(CheckpointError):
+    """A conditional create found the object already there."""
+
+
+class ObjectStore:
+    """One bucket of an S3-compatible store: the few operations a checkpoint needs."""
+
+    def __init__(self, bucket: str, storage_options: dict[str, Any] | None = None) -> None:
+        boto3, botocore = _boto3()
+        from botocore.config import Config
+
+        options = dict(storage_options or {})
+        profile = options.pop("profile", None) or options.pop("profile_name", None)
+        client_args: dict[str, Any] = {}
+        for key, value in options.items():
+            if key not in _CLIENT_OPTIONS:
+                known = ", ".join(sorted({*_CLIENT_OPTIONS, "profile"}))
+                raise CheckpointError(f"storage_options: unknown key {key!r}; known: {known}")
+            if value is not None:
+                client_args[_CLIENT_OPTIONS[key]] = value
+        config = Config(
+            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            connect_timeout=CONNECT_TIMEOUT,
+            read_timeout=READ_TIMEOUT,
+            max_pool_connections=2 * CONCURRENCY,
+        )
+        session = boto3.session.Session(profile_name=profile)
+        self.bucket = bucket
+        self.client = session.client("s3", config=config, **client_args)
+        self._botocore = botocore
+
+    # ---- errors -------------------------------------------------------------------------------
+    def _error(self, err: BaseException, key: str, doing: str) -> CheckpointError:
+        """A clear error for a failed request: what, where, and what to do."""
+        where = f"s3://{self.bucket}/{key}"
+        exceptions = self._botocore.exceptions
+        endpoint = self.client.meta.endpoint_url
+        if isinstance(err, exceptions.NoCredentialsError):
+            return CheckpointError(
+                f"{doing} {where}: no S3 credentials found. Set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass storage_options."
+            )
+        if isinstance(err, (exceptions.EndpointConnectionError, exceptions.ConnectionError)):
+            return CheckpointError(
+                f"{doing} {where}: cannot reach the S3 endpoint {endpoint} ({err}) after "
+                f"{MAX_ATTEMPTS} attempts. Check that the server is up and AWS_ENDPOINT_URL "
+                "names it."
+            )
+        if isinstance(err, exceptions.ClientError):
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket":
+                return ObjectMissing(
+                    f"{doing} {where}: the bucket {self.bucket!r} does not exist at {endpoint}. "
+                    "Create it first, or fix the bucket name."
+                )
+            if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+                return ObjectMissing(f"{doing} {where}: no such object")
+            if code in ("PreconditionFailed", "412") or status == 412:
+                return ObjectExists(f"{doing} {where}: the object exists already")
+            if (
+                code
+                in (
+                    "AccessDenied",
+                    "InvalidAccessKeyId",
+                    "SignatureDoesNotMatch",
+                    "403",
+                    "Forbidden",
+                )
+                or status == 403
+            ):
+                return CheckpointError(
+                    f"{doing} {where}: access denied by {endpoint} ({code}). Check the "
+                    "credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE) and "
+                    "their permissions on the bucket."
+                )
+        if isinstance(err, CheckpointError):
+            return err
+        return CheckpointError(f"{doing} {where}: {type(err).__name__}: {err}")
+
+    def _call(self, doing: str, key: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except Exception as err:
+            raise self._error(err, key, doing) from err
+
+    # ---- operations ---------------------------------------------------------------------------
+    def head(self, key: str) -> int | None:
+        """The object's size, or None where it does not exist."""
+        try:
+            return self._call("reading", key, self.client.head_object, Bucket=self.bucket, Key=key)[
+                "ContentLength"
+            ]
+        except ObjectMissing as err:
+            if "bucket" in str(err):
+                raise
+            return None
+
+    def get(self, key: str) -> bytes:
+        reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)
+        return self._read_body(reply, key)
+
+    def _read_body(self, reply: dict[str, Any], key: str) -> bytes:
+        try:
+            return reply["Body"].read()
+        except Exception as err:
+            raise self._error(err, key, "reading") from err
+
+    def read_into(self, key: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with the object's bytes from ``offset`` (one ranged GET; a short or
+        broken body raises, and is retried once)."""
+        if not view.nbytes:
+            return
+        rng = f"bytes={offset}-{offset + view.nbytes - 1}"
+        for attempt in (1, 2):
+            reply = self._call(
+                "reading", key, self.client.get_object, Bucket=self.bucket, Key=key, Range=rng
+            )
+            body, done = reply["Body"], 0
+            try:
+                while done < view.nbytes:
+                    n = body.readinto(view[done:])
+                    if not n:
+                        break
+                    done += n
+            except Exception as err:
+                if attempt == 2:
+                    raise self._error(err, key, "reading") from err
+                continue
+            if done == view.nbytes:
+                return
+            if attempt == 2:
+                raise CheckpointError(
+                    f"reading s3://{self.bucket}/{key}: {done} of {view.nbytes} bytes at "
+                    f"offset {offset} (the object is shorter than expected)"
+                )
+
+    def download(self, key: str, dest: Path, size: int, pool: ThreadPoolExecutor) -> None:
+        """The whole object into the local file ``dest``, by parallel ranged GETs."""
+        with open(dest, "wb") as f:
+            f.truncate(size)
+        fd = os.open(dest, os.O_WRONLY)
+        try:
+
+            def part(start: int) -> None:
+                buffer = bytearray(min(PART_BYTES, size - start))
+                self.read_into(key, memoryview(buffer), start)
+                os.pwrite(fd, buffer, start)
+
+            for future in [pool.submit(part, s) for s in range(0, size, PART_BYTES)]:
+                future.result()
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """One PUT; ``if_absent``: only where no object has the key (``If-None-Match: *``), else
+        :class:`ObjectExists`."""
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        self._call(
+            "writing", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=data, **extra
+        )
+
+    def upload(self, key: str, source: Path, pool: ThreadPoolExecutor) -> None:
+        """A local file to ``key``: one PUT when small, else a multipart upload whose parts go
+        in parallel; a failed multipart upload is aborted, so it leaves no parts behind."""
+        size = source.stat().st_size
+        if size <= PART_BYTES:
+            self.put(key, source.read_bytes())
+            return
+        upload = self._call(
+            "writing", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=key
+        )
+        upload_id = upload["UploadId"]
+        fd = os.open(source, os.O_RDONLY)
+        try:
+
+            def part(number: int) -> dict[str, Any]:
+                start = (number - 1) * PART_BYTES
+                body = os.pread(fd, min(PART_BYTES, size - start), start)
+                reply = self._call(
+                    "writing",
+                    key,
+                    self.client.upload_part,
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                )
+                return {"PartNumber": number, "ETag": reply["ETag"]}
+
+            count = (size + PART_BYTES - 1) // PART_BYTES
+            futures = [pool.submit(part, n) for n in range(1, count + 1)]
+            parts = [f.result() for f in futures]
+            self._call(
+                "writing",
+                key,
+                self.client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            for future in futures if "futures" in locals() else []:
+                future.cancel()
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception as err:  # the server may be the reason we are here
+                log.warning("could not abort the multipart upload of %s: %s", key, err)
+            raise
+        finally:
+            os.close(fd)
+
+    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix``."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    yield item["Key"], item["Size"]
+        except Exception as err:
+            raise self._error(err, prefix, "listing") from err
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """The names of the "directories" right below ``prefix`` (which ends with ``/``)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        names = []
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                for item in page.get("CommonPrefixes", []):
+                    names.append(item["Prefix"][len(prefix) :].rstrip("/"))
+        except Exception as err:
+            raise self._error(err, prefix, "listing") from err
+        return names
+
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            if batch:
+                self._call(
+                    "deleting",
+                    batch[0]["Key"],
+                    self.client.delete_objects,
+                    Bucket=self.bucket,
+                    Delete={"Objects": batch, "Quiet": True},
+                )
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` (a killed save's parts)."""
+        try:
+            reply = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
+        except Exception as err:
+            log.debug("listing multipart uploads under %s: %s", prefix, err)
+            return 0
+        count = 0
+        for upload in reply.get("Uploads", []):
+            try:
+                self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+                count += 1
+            except Exception as err:
+                log.debug("aborting %s: %s", upload["Key"], err)
+        return count
+
+
+_stores: dict[tuple[str, tuple], ObjectStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(where: S3Location, storage_options: dict[str, Any] | None = None) -> ObjectStore:
+    """The store of ``where``'s bucket (one client per bucket, options and environment)."""
+    env = tuple(
+        os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_PROFILE",
+        )
+    )
+    key = (where.bucket, tuple(sorted((storage_options or {}).items())) + env)
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = ObjectStore(where.bucket, storage_options)
+        return store

@@ -1,0 +1,582 @@
+"""Checkpoints in object storage: the same portable format, committed without a rename.
+
+An S3 checkpoint ``s3://bucket/run/step-6`` holds the same objects a checkpoint directory holds
+files (``accelkit.json``, ``rank-NNNNN.safetensors``, ``extra.json``), so a checkpoint copied
+between a disk and a bucket loads either way. A store has no rename, so the commit is the order
+of the writes:
+
+1. rank 0 checks the location holds no committed checkpoint (accelkit never overwrites one in
+   object storage: it could not do so atomically) and removes what a killed save left there
+   (objects, unfinished multipart uploads);
+2. every rank writes its rank file locally (the disk writer: checksums, the asynchronous
+   writer process), uploads it in parallel parts, and reports its record;
+3. rank 0 checks every rank file is there with its size, writes ``extra.json``, then the
+   manifest, last and conditionally (``If-None-Match: *``: of two jobs saving to one location,
+   one commits); then ``latest``, then rotation, which deletes an old checkpoint's manifest
+   first, so it is never seen half deleted.
+
+A location without a manifest is not a checkpoint: ``load``, ``latest`` and ``auto_resume`` never
+see an interrupted save. Loading downloads the manifest and the rank files by parallel ranged
+GETs into a local temporary directory and reads them with the disk reader (checksums and all).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from accelkit.checkpoint import objectstore, storage
+from accelkit.checkpoint import profile as profiling
+from accelkit.checkpoint.digest import DEFAULT as DEFAULT_CHECKSUM
+from accelkit.checkpoint.digest import check_algorithm
+from accelkit.checkpoint.manifest import EXTRA_NAME, MANIFEST_NAME
+from accelkit.checkpoint.objectstore import S3Location
+from accelkit.errors import CheckpointError
+
+log = logging.getLogger("accelkit")
+
+LOAD_PREFIX = "accelkit-s3-load-"
+#: where rank files are staged before their upload and after their download (default: TMPDIR)
+STAGING_ENV = "ACCELKIT_S3_STAGING"
+
+
+def _staging_dir(prefix: str) -> Path:
+    root = os.environ.get(STAGING_ENV) or None
+    if root:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+
+
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=objectstore.CONCURRENCY)
+
+
+def _manifest_step(raw: bytes) -> int | None:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    for field in ("step", "applied_steps"):
+        value = data.get(field) if isinstance(data, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+# ---- finding a checkpoint ---------------------------------------------------------------------
+def is_checkpoint(where: S3Location, storage_options: dict[str, Any] | None = None) -> bool:
+    store = objectstore.store_for(where, storage_options)
+    return store.head(where.child(MANIFEST_NAME).key) is not None
+
+
+def _pointer_target(
+    where: S3Location, store: objectstore.ObjectStore
+) -> tuple[S3Location | None, str]:
+    """Where ``where/latest`` points (None: no pointer) and the reason it is refused, if it is."""
+    pointer = where.child(storage.LATEST_NAME)
+    try:
+        named = store.get(pointer.key).decode(errors="replace").strip()
+    except objectstore.ObjectMissing as err:
+        if "bucket" in str(err):
+            raise
+        return None, ""
+    if not named or named in (".", "..") or "/" in named:
+        return None, (
+            f"{pointer} holds {named!r}, which is not the name of a checkpoint next to it: "
+            f"'{storage.LATEST_NAME}' holds one name, with no '/' or '..'. Write the name of a "
+            f"checkpoint of {where} into it, or delete it."
+        )
+    target = where.child(named)
+    if store.head(target.child(MANIFEST_NAME).key) is None:
+        return None, (
+            f"{pointer} points at {named}, which is not a committed checkpoint (no "
+            f"{MANIFEST_NAME}). Write the name of a checkpoint of {where} into it, or delete it."
+        )
+    return target, ""
+
+
+def resolve(where: S3Location, storage_options: dict[str, Any] | None = None) -> S3Location:
+    """The checkpoint ``where`` names: itself, or where its ``latest`` points."""
+    store = objectstore.store_for(where, storage_options)
+    if store.head(where.child(MANIFEST_NAME).key) is not None:
+        return where
+    target, refused = _pointer_target(where, store)
+    if target is not None:
+        return target
+    if refused:
+        raise CheckpointError(refused)
+    if next(store.list(where.key + "/"), None) is None:
+        raise CheckpointError(f"{where}: no such checkpoint (nothing is stored there)")
+    raise CheckpointError(
+        f"{where}: neither a checkpoint (no {MANIFEST_NAME}: a save that did not complete leaves "
+        f"none) nor a prefix with a '{storage.LATEST_NAME}' pointer"
+    )
+
+
+def _committed(
+    parent: S3Location, store: objectstore.ObjectStore, pattern: str | None = None
+) -> list[tuple[tuple, S3Location]]:
+    """The committed checkpoints right below ``parent`` (of one name ``pattern``), each with its
+    order key (the recorded step, then the name; never a clock)."""
+    found = []
+    prefix = f"{parent.key}/" if parent.key else ""
+    for name in store.list_dirs(prefix):
+        if name.startswith(".") or (pattern and storage.rotation_pattern(name) != pattern):
+            continue
+        child = parent.child(name)
+        try:
+            raw = store.get(child.child(MANIFEST_NAME).key)
+        except objectstore.ObjectMissing:
+            continue  # no manifest: a save that did not complete, or a stray prefix
+        step = _manifest_step(raw)
+        found.append(((step is not None, step or 0, storage.natural_key(name)), child))
+    return found
+
+
+def latest_checkpoint(
+    where: S3Location, storage_options: dict[str, Any] | None = None
+) -> S3Location | None:
+    """The newest committed checkpoint under ``where`` (or ``where`` itself), or None: what
+    ``latest`` names when valid, else the one with the highest recorded step."""
+    store = objectstore.store_for(where, storage_options)
+    if store.head(where.child(MANIFEST_NAME).key) is not None:
+        return where
+    target, refused = _pointer_target(where, store)
+    if target is not None:
+        return target
+    if refused:
+        log.warning("%s; looking for the newest complete checkpoint instead", refused)
+    candidates = _committed(where, store)
+    return max(candidates, key=lambda c: c[0])[1] if candidates else None
+
+
+def read_manifest_bytes(where: S3Location, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The manifest of the checkpoint ``where`` names (after ``latest``)."""
+    target = resolve(where, storage_options)
+    return objectstore.store_for(target, storage_options).get(target.child(MANIFEST_NAME).key)
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _safe_name(name: str, where: S3Location) -> str:
+    if not name or name in (".", "..") or "/" in name or "\\" in name:
+        raise CheckpointError(
+            f"{where}/{MANIFEST_NAME} lists the file {name!r}, which is not a name inside the "
+            "checkpoint; accelkit reads a checkpoint only from its own prefix"
+        )
+    return name
+
+
+def download(
+    where: S3Location,
+    dest: Path,
+    names: list[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Copy the objects ``names`` of ``where`` (default: every object right below it) into the
+    local directory ``dest``, by parallel ranged GETs; a missing one raises, naming it."""
+    store = objectstore.store_for(where, storage_options)
+    prefix = f"{where.key}/"
+    sizes = {
+        key[len(prefix) :]: size
+        for key, size in store.list(prefix)
+        if "/" not in key[len(prefix) :]
+    }
+    if names is None:
+        names = sorted(sizes)
+    dest.mkdir(parents=True, exist_ok=True)
+    with _pool() as pool:
+        for name in names:
+            _safe_name(name, where)
+            if name not in sizes:
+                raise CheckpointError(f"{where.child(name)}: object missing")
+            store.download(where.child(name).key, dest / name, sizes[name], pool)
+
+
+def holds_checkpoint(where: S3Location, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``where`` is a checkpoint or holds a ``latest`` pointer."""
+    store = objectstore.store_for(where, storage_options)
+    return any(store.head(where.child(name).key) is not None for name in (MANIFEST_NAME, "latest"))
+
+
+@contextmanager
+def fetched(
+    where: S3Location,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    manifest_only: bool = False,
+) -> Iterator[Path]:
+    """The checkpoint ``where`` names (after ``latest``), downloaded into a local temporary
+    directory for the disk reader; errors name the S3 objects, not the temporary files."""
+    target = resolve(where, storage_options)
+    store = objectstore.store_for(target, storage_options)
+    local = _staging_dir(LOAD_PREFIX) / target.name
+    local.mkdir()
+    try:
+        raw = store.get(target.child(MANIFEST_NAME).key)
+        (local / MANIFEST_NAME).write_bytes(raw)
+        if manifest_only:
+            yield local
+            return
+        try:
+            files = json.loads(raw).get("files", {})
+            names = [_safe_name(str(n), target) for n in files]
+        except (ValueError, AttributeError) as err:
+            raise CheckpointError(
+                f"{target}/{MANIFEST_NAME}: not a valid manifest ({err})"
+            ) from err
+        prefix = f"{target.key}/"
+        present = {key[len(prefix) :]: size for key, size in store.list(prefix)}
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise CheckpointError(
+                f"{target}: object(s) {', '.join(target.child(n).__str__() for n in missing)} "
+                f"missing from the checkpoint (its {MANIFEST_NAME} lists them). The checkpoint "
+                "is incomplete: copy the objects back, or load another checkpoint."
+            )
+        with _pool() as pool:
+            for name in names:
+                store.download(target.child(name).key, local / name, present[name], pool)
+        try:
+            yield local
+        except CheckpointError as err:
+            raise _renamed(err, local, target) from err
+    finally:
+        shutil.rmtree(local.parent, ignore_errors=True)
+
+
+def _renamed(err: CheckpointError, local: Path, target: S3Location) -> CheckpointError:
+    """``err`` with the temporary directories' paths (this rank's, and the others' an agreed
+    error quotes) replaced by the S3 location."""
+    pattern = rf"/\S*?/{LOAD_PREFIX}[^/\s]+/{re.escape(target.name)}"
+    message = re.sub(pattern, lambda _: str(target), str(err))
+    renamed = type(err)(message)
+    for attr, value in vars(err).items():
+        setattr(renamed, attr, value)
+    return renamed
+
+
+@contextmanager
+def fetched_pretrained(
+    where: S3Location, storage_options: dict[str, Any] | None = None
+) -> Iterator[Path]:
+    """Pretrained safetensors at ``where`` (one ``.safetensors`` object, or a prefix with
+    ``model.safetensors`` or the shards of ``model.safetensors.index.json``) in a local
+    temporary directory; what it yields is what :func:`load_pretrained` takes."""
+    from accelkit.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
+
+    store = objectstore.store_for(where, storage_options)
+    local = _staging_dir(LOAD_PREFIX) / (where.name or where.bucket)
+    local.mkdir()
+    try:
+        if where.key.endswith(".safetensors"):
+            download(where.parent, local, [where.name], storage_options)
+            yielded = local / where.name
+        elif store.head(where.child(INDEX_NAME).key) is not None:
+            raw = store.get(where.child(INDEX_NAME).key)
+            (local / INDEX_NAME).write_bytes(raw)
+            try:
+                names = sorted(set(json.loads(raw)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(
+                    f"{where.child(INDEX_NAME)}: not a safetensors index ({err})"
+                ) from err
+            prefix = f"{where.key}/"
+            present = {key[len(prefix) :] for key, _ in store.list(prefix)}
+            missing = [str(where.child(n)) for n in names if n not in present]
+            if missing:
+                raise CheckpointError(
+                    f"{where.child(INDEX_NAME)} names {', '.join(missing)}, which the store "
+                    "does not hold; the upload or copy is incomplete"
+                )
+            download(where, local, names, storage_options)
+            yielded = local
+        elif store.head(where.child(SINGLE_NAME).key) is not None:
+            download(where, local, [SINGLE_NAME], storage_options)
+            yielded = local
+        else:
+            raise CheckpointError(
+                f"{where}: no {SINGLE_NAME}, {INDEX_NAME} or {MANIFEST_NAME} there; pass a "
+                "prefix holding Hugging Face-style safetensors, a .safetensors object or an "
+                "accelkit checkpoint"
+            )
+        try:
+            yield yielded
+        except CheckpointError as err:
+            message = str(err).replace(str(local), str(where))
+            raise type(err)(message) from err
+    finally:
+        shutil.rmtree(local.parent, ignore_errors=True)
+
+
+# ---- writing ------------------------------------------------------------------------------------
+def prepare(where: S3Location, storage_options: dict[str, Any] | None = None) -> None:
+    """Rank 0, before a save: refuse a committed checkpoint at ``where``; remove what a killed
+    save left there."""
+    if not where.key:
+        raise CheckpointError(
+            f"{where}: a checkpoint needs a name below the bucket (s3://bucket/run/step-6)"
+        )
+    store = objectstore.store_for(where, storage_options)
+    if store.head(where.child(MANIFEST_NAME).key) is not None:
+        raise CheckpointError(
+            f"{where} is a committed checkpoint already. accelkit never overwrites a checkpoint "
+            "in object storage (a store without rename cannot replace it all at once): save "
+            "under a new name (step-N), or delete the old one first."
+        )
+    leftovers = [key for key, _ in store.list(where.key + "/")]
+    aborted = store.abort_uploads(where.key + "/")
+    if leftovers:
+        store.delete(leftovers)
+    if leftovers or aborted:
+        log.info(
+            "removed %d object(s) and %d unfinished upload(s) under %s, left by a save that did "
+            "not complete",
+            len(leftovers),
+            aborted,
+            where,
+        )
+
+
+def upload_rank_file(
+    where: S3Location, local_file: Path, storage_options: dict[str, Any] | None = None
+) -> None:
+    store = objectstore.store_for(where, storage_options)
+    with _pool() as pool:
+        store.upload(where.child(local_file.name).key, local_file, pool)
+
+
+def commit(
+    where: S3Location,
+    manifest_text: str,
+    files: dict[str, Any],
+    extras_raw: bytes | None,
+    *,
+    latest: bool,
+    keep_last: int | None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Rank 0's last step: every listed file is there with its size, then ``extra.json``, the
+    manifest (conditionally: the commit), ``latest``, and rotation."""
+    store = objectstore.store_for(where, storage_options)
+    if extras_raw is not None:
+        store.put(where.child(EXTRA_NAME).key, extras_raw)
+    prefix = f"{where.key}/"
+    present = {key[len(prefix) :]: size for key, size in store.list(prefix)}
+    for name, info in files.items():
+        if present.get(name) != info.get("bytes"):
+            raise CheckpointError(
+                f"{where.child(name)}: expected {info.get('bytes')} bytes, the store has "
+                f"{present.get(name, 'none')}; another job may be writing to {where}. Nothing "
+                "was committed."
+            )
+    try:
+        store.put(where.child(MANIFEST_NAME).key, manifest_text.encode(), if_absent=True)
+    except objectstore.ObjectExists as err:
+        raise CheckpointError(
+            f"{where}: another save committed this checkpoint first (its {MANIFEST_NAME} "
+            "appeared during this save); this save was not committed. Two jobs are writing to "
+            "one location: give each its own."
+        ) from err
+    if latest:
+        store.put(where.parent.child(storage.LATEST_NAME).key, (where.name + "\n").encode())
+    if keep_last is not None:
+        rotate(where, keep_last, store)
+
+
+def rotate(where: S3Location, keep_last: int, store: objectstore.ObjectStore) -> list[S3Location]:
+    """Delete the committed siblings of ``where`` of its name pattern beyond the ``keep_last``
+    with the highest steps (``where`` is always kept): the manifest first, then the rest."""
+    siblings = _committed(where.parent, store, storage.rotation_pattern(where.name))
+    siblings.sort(key=lambda c: c[0], reverse=True)
+    keep = {c.name for _, c in siblings[:keep_last]} | {where.name}
+    deleted = []
+    for _, old in siblings:
+        if old.name in keep:
+            continue
+        store.delete([old.child(MANIFEST_NAME).key])  # uncommitted first: never seen half gone
+        store.delete([key for key, _ in store.list(old.key + "/")])
+        deleted.append(old)
+        log.info("removed old checkpoint %s (keep_last=%d)", old, keep_last)
+    return deleted
+
+
+def save(
+    accel: Any,
+    where: S3Location,
+    state: dict[str, Any],
+    *,
+    keep_last: int | None = None,
+    latest: bool = True,
+    step: int | None = None,
+    rng: bool = True,
+    exclude_frozen: bool = False,
+    checksum: str = DEFAULT_CHECKSUM,
+    asynchronous: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """:func:`accelkit.checkpoint.save` to object storage (the module's docstring says how)."""
+    from accelkit.checkpoint import background, writer
+    from accelkit.checkpoint.fragments import classify_state
+
+    background.wait()  # the save in flight commits (or raises) before this one starts
+    check_algorithm(checksum)
+    if asynchronous:
+        from accelkit.checkpoint import write_process
+
+        write_process.enabled()
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    started = time.perf_counter()
+    profile = profiling.SaveProfile(asynchronous=asynchronous)
+    backend = writer.backend_of(accel)
+    rank = backend.rank
+    objects = classify_state(state)
+    if step is None:  # as on disk: the state's own "step", else the Accelerator's count
+        explicit = state.get("step")
+        if isinstance(explicit, int) and not isinstance(explicit, bool):
+            step = explicit
+        elif hasattr(accel, "applied_steps"):
+            step = accel.applied_steps
+    counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
+
+    error = None
+    with profile.phase("prepare"):
+        if rank == 0:
+            try:
+                prepare(where, storage_options)
+            except Exception as err:
+                error = err
+        writer.agree(error, f"saving {where}")
+
+    planned, error = None, None
+    try:
+        with profile.phase("plan"):
+            record, to_write = writer._plan_rank(backend, state, objects, rng, exclude_frozen)
+        if asynchronous:
+            with profile.phase("stage"):
+                to_write = background.snapshot(to_write)
+        planned = (record, to_write)
+    except Exception as err:
+        error = err
+    writer.agree(error, f"saving {where}")
+    assert planned is not None
+    job = (backend, counters, where, *planned, list(state), step)
+    options: dict[str, Any] = {"checksum": checksum, "exclude_frozen": exclude_frozen}
+    options.update(latest=latest, keep_last=keep_last, started=started, profile=profile)
+    options.update(storage_options=storage_options)
+    if asynchronous:
+        group = background.commit_group()
+        background.start(where, lambda: _upload_and_commit(*job, group=group, **options))
+        if rank == 0:
+            log.info(
+                "saving %s in the background (training stalled %.2f s for the snapshot)",
+                where,
+                time.perf_counter() - started,
+            )
+        return str(where)
+    _upload_and_commit(*job, group=None, **options)
+    return str(where)
+
+
+def _extras_bytes(manifest: Any, extras: dict[str, Any]) -> bytes | None:
+    """``extra.json``'s bytes (recorded in the manifest with their checksum), or None."""
+    if not extras:
+        return None
+    raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
+    manifest.data["files"][EXTRA_NAME] = {
+        "bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(),
+    }
+    return raw
+
+
+def _upload_and_commit(
+    backend: Any,
+    counters: Any,
+    where: S3Location,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    state_keys: list[str],
+    step: Any,
+    *,
+    group: Any,
+    checksum: str,
+    exclude_frozen: bool,
+    latest: bool,
+    keep_last: int | None,
+    started: float,
+    profile: profiling.SaveProfile,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Every rank writes its file locally and uploads it; rank 0 commits (collective on
+    ``group``)."""
+    from accelkit.checkpoint import writer
+
+    rank = record["rank"]
+    profile.tensors = len(to_write)
+    profile.nbytes = sum(t.numel() * t.dtype.itemsize for _, t in to_write)
+    staging = _staging_dir("accelkit-s3-save-")
+    error = None
+    try:
+        local = staging / where.name
+        storage.temp_dir(local).mkdir(parents=True)
+        with profile.phase("write"):
+            record = writer._write_planned(local, record, to_write, checksum, profile)
+        to_write.clear()  # a snapshot's copies are released as soon as they are written
+        with profile.phase("upload"):
+            upload_rank_file(
+                where, storage.temp_dir(local) / record["file"]["name"], storage_options
+            )
+    except Exception as err:
+        error = err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    with profile.phase("gather"):
+        writer.agree(error, f"saving {where}", group)
+        records = writer._gather_to_rank0(record, group)
+
+    error = None
+    with profile.phase("commit"):
+        if rank == 0:
+            try:
+                manifest, extras = writer._build_manifest(
+                    backend, counters, records, state_keys, step
+                )
+                if exclude_frozen:
+                    manifest.data["excluded_frozen"] = True
+                extras_raw = _extras_bytes(manifest, extras)
+                try:
+                    manifest.validate()
+                except CheckpointError as err:
+                    who = manifest.data.get("writer", {}).get("backend", "?")
+                    raise CheckpointError(
+                        f"backend {who!r} wrote an inconsistent checkpoint: {err}"
+                    ) from err
+                commit(
+                    where,
+                    manifest.to_json_text(),
+                    {n: i for n, i in manifest.data["files"].items() if n != EXTRA_NAME},
+                    extras_raw,
+                    latest=latest,
+                    keep_last=keep_last,
+                    storage_options=storage_options,
+                )
+            except Exception as err:
+                error = err
+        writer.agree(error, f"saving {where}", group)
+    profiling.record(profile)
+    if rank == 0:
+        size = sum(r["file"]["bytes"] for r in records)
+        log.info("saved %s: %.3f GB in %.2f s", where, size / 1e9, time.perf_counter() - started)

