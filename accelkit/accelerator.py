@@ -539,8 +539,12 @@ class Accelerator:
         """Write a portable checkpoint of ``state`` (models, optimizers, schedulers, loaders, extras).
 
         ``format="native"``: the backend library's own format instead, where it has one.
-        Collective: every rank calls it (a rank that does not is named in the error)."""
-        distributed.rendezvous("save()", _EVERY_RANK)
+        Collective: every rank calls it (a rank that does not is named in the error, within
+        the commit timeout: :mod:`accelkit.checkpoint.commit`)."""
+        from accelkit.checkpoint import commit
+
+        bound = min(commit.timeout_s(), distributed.group_timeout_s())
+        distributed.rendezvous("save()", _EVERY_RANK, bound)
         if format == "native":
             return self.backend.save_native(path, state, **kwargs)
         if format != "portable":

@@ -213,11 +213,12 @@ def _posted_abort() -> str | None:
     return None
 
 
-def rendezvous(what: str, hint: str = "") -> None:
+def rendezvous(what: str, hint: str = "", timeout_s: float | None = None) -> None:
     """Check, through the store and without a collective, that every rank reached ``what``.
 
-    Each rank counts its calls of ``what`` and waits, up to the group's timeout, until every rank
-    has made the same call; otherwise it raises :class:`~accelkit.errors.DistributedError`
+    Each rank counts its calls of ``what`` and waits, up to ``timeout_s`` (default: the group's
+    timeout), until every rank has made the same call; otherwise it raises
+    :class:`~accelkit.errors.DistributedError`
     naming the ranks that did not come. A collective could not name them: it pairs with whatever
     collective the missing ranks run instead, and at best times out saying nothing.
     """
@@ -229,7 +230,10 @@ def rendezvous(what: str, hint: str = "") -> None:
     count = _ARRIVALS[what] = _ARRIVALS.get(what, 0) + 1
     keys = [f"accelkit/arrive/{what}/{count}/{r}" for r in range(world)]
     store.set(keys[rank], "1")
-    timeout = group_timeout_s()
+    timeout = group_timeout_s() if timeout_s is None else timeout_s
+    limit = (
+        f"the process group's timeout of {timeout:.0f} s" if timeout_s is None else f"{timeout:g} s"
+    )
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as err:
@@ -240,7 +244,7 @@ def rendezvous(what: str, hint: str = "") -> None:
         who = "rank 0 (which holds the store)" if missing is None else f"rank(s) {missing}"
         message = (
             f"rank {rank}: {what} (call {count} on this rank) is collective, and {who} did not "
-            f"reach it within the process group's timeout of {timeout:.0f} s. {hint}".strip()
+            f"reach it within {limit}. {hint}".strip()
         )
         post_abort(message)
         raise DistributedError(message) from err

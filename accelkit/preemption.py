@@ -21,12 +21,24 @@ Handlers are installed the first time the loop asks (``accel.should_stop``) or b
 :meth:`Accelerator.stop_on_signals`; until then a signal does what it did before. Once installed,
 a signal no longer terminates the process: the loop must check ``should_stop``. A second signal is
 also only recorded, so a save already running is not cut short by a later ``SIGTERM``.
+
+``SIGTERM`` means the launcher kills the job soon (torchrun, SLURM and Kubernetes send
+``SIGKILL`` 30 s later by default). A process that has not ended ``ACCELKIT_SIGTERM_GRACE_S``
+(default 25) seconds after it, because its loop never reached a step boundary (a collective
+waiting for a dead rank) or its save is still running, ends itself: one line on stderr naming
+the checkpoint not written, if a save was in flight, and exit status 143 (128 + SIGTERM). The
+clock runs even while the main thread waits inside a collective, where no Python signal
+handler can run: the signal also wakes a watcher thread (``signal.set_wakeup_fd``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
+import socket
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,6 +57,26 @@ _Accelerator = Any
 #: what a cluster sends before it kills a job: SIGTERM (scancel, time limit, Kubernetes, spot
 #: instances) and SIGUSR1 (SLURM's configurable warning, ``--signal=USR1@<seconds>``)
 DEFAULT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+#: seconds a process may run on after SIGTERM (``ACCELKIT_SIGTERM_GRACE_S``): below the 30 s after
+#: which torchrun, SLURM (KillWait) and Kubernetes send SIGKILL by default
+DEFAULT_GRACE_S = 25.0
+
+
+def grace_s() -> float:
+    """``ACCELKIT_SIGTERM_GRACE_S`` (default 25; ``inf``: wait for the launcher's SIGKILL)."""
+    raw = os.environ.get("ACCELKIT_SIGTERM_GRACE_S", "").strip()
+    if not raw:
+        return DEFAULT_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(
+            f"ACCELKIT_SIGTERM_GRACE_S={raw!r}: give a number of seconds > 0, or 'inf' "
+            f"(default {DEFAULT_GRACE_S:g})"
+        )
+    return value
 
 
 def _as_signal(value: str | int | signal.Signals) -> signal.Signals | None:
@@ -95,6 +127,9 @@ class StopSignal:
         self._agreed = False
         self._reads = 0
         self._reported = False
+        self._grace: threading.Timer | None = None
+        self._arming = threading.Lock()
+        self._wakeup: tuple[socket.socket, socket.socket, int] | None = None
 
     # ---- handlers -----------------------------------------------------------------------------
     @property
@@ -113,6 +148,8 @@ class StopSignal:
             return False
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if signal.SIGTERM in self.signals and math.isfinite(grace_s()):
+            self._watch_wakeups()
         return True
 
     def uninstall(self) -> None:
@@ -123,11 +160,74 @@ class StopSignal:
             except (ValueError, TypeError):  # not the main thread, or a foreign handler object
                 log.debug("could not restore the handler of %s", sig.name)
         self._previous.clear()
+        self._disarm()
+        if self._wakeup is not None:
+            ours, theirs, previous = self._wakeup
+            self._wakeup = None
+            try:
+                current = signal.set_wakeup_fd(previous)
+                if current != ours.fileno():  # someone set theirs after ours: keep it
+                    signal.set_wakeup_fd(current)
+            except ValueError:  # not the main thread
+                log.debug("could not restore the signal wakeup descriptor")
+            ours.close()
+            theirs.close()  # ends the watcher thread
 
     def _handle(self, signum: int, frame: Any) -> None:
         # keep a signal handler minimal: record, and let the step boundary do the rest
         if self.received is None:
             self.received = signal.Signals(signum)
+        if signum == signal.SIGTERM:
+            self._arm()
+
+    # ---- SIGTERM's grace period ---------------------------------------------------------------
+    def _watch_wakeups(self) -> None:
+        """Learn of signals from a thread of our own: Python runs signal handlers in the main
+        thread between bytecodes, never while it waits inside a collective."""
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        try:
+            previous = signal.set_wakeup_fd(ours.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            ours.close()
+            theirs.close()
+            return
+        self._wakeup = (ours, theirs, previous)
+        watcher = threading.Thread(
+            target=self._read_wakeups, args=(theirs, previous), name="accelkit-signals", daemon=True
+        )
+        watcher.start()
+
+    def _read_wakeups(self, theirs: socket.socket, previous: int) -> None:
+        while True:
+            try:
+                data = theirs.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if previous >= 0:  # whoever watched before us (an asyncio loop) still hears them
+                try:
+                    os.write(previous, data)
+                except OSError:
+                    pass
+            if signal.SIGTERM in data:
+                self._arm()
+
+    def _arm(self) -> None:
+        """Start SIGTERM's grace period (once; from the handler or the watcher thread)."""
+        with self._arming:
+            if self._grace is not None:
+                return
+            timer = threading.Timer(grace_s(), _end_after_grace, args=(grace_s(),))
+            timer.daemon = True
+            self._grace = timer
+            timer.start()
+
+    def _disarm(self) -> None:
+        timer, self._grace = self._grace, None
+        if timer is not None:
+            timer.cancel()
 
     def request(self) -> None:
         """Ask every rank to stop at the next check, as a signal on this rank would."""
@@ -170,6 +270,24 @@ class StopSignal:
         """Forget a stop (after the loop handled it, to keep training in the same process)."""
         self.received, self.requested = None, False
         self._agreed, self._reported = False, False
+        self._disarm()
+
+
+def _end_after_grace(grace: float) -> None:
+    """SIGTERM's grace period is over and the process still runs: end it now, before the
+    launcher's SIGKILL, saying which checkpoint (if any) was not written."""
+    from accelkit.checkpoint import background
+
+    saving = background.pending()
+    lost = f"; the checkpoint {saving} was not written" if saving is not None else ""
+    sys.stderr.write(
+        f"accelkit: SIGTERM came {grace:g} s ago and this process has not ended (a collective "
+        f"waiting for another rank, or a save still running){lost}; exiting with status "
+        f"{128 + signal.SIGTERM} (ACCELKIT_SIGTERM_GRACE_S)\n"
+    )
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(128 + signal.SIGTERM)
 
 
 # ---- the Accelerator's side ----------------------------------------------------------------------
@@ -201,7 +319,7 @@ def stop_on_signals(
     return watcher
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
+def latest_checkpoint(directory: str | Path) -> Any:
     """The newest complete checkpoint under ``directory`` (or ``directory`` itself), or None.
 
     ``latest`` names it when valid; otherwise (a save killed between its rename and the pointer
@@ -211,9 +329,14 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     been wrong at a save. Links that lead outside ``directory`` are not considered.
     Half-written saves never carry a checkpoint's name, so they are not seen.
     """
-    from accelkit.checkpoint import storage
+    from accelkit.checkpoint import objectstore, storage
     from accelkit.errors import CheckpointError
 
+    where = objectstore.location(directory)
+    if where is not None:  # s3://: a prefix without a manifest is never a candidate
+        from accelkit.checkpoint import remote
+
+        return remote.latest_checkpoint(where)
     directory = Path(directory)
     if not directory.exists():
         return None
@@ -254,7 +377,7 @@ def auto_resume(
     if chosen is None:
         log.info("auto_resume: no checkpoint under %s; starting fresh", directory)
         return None
-    path = Path(chosen)
+    path: Any = chosen if "://" in chosen else Path(chosen)  # s3:// stays a URL
     unconsumed = accel.load(path, state, **load_kwargs)
     if unconsumed:
         log.debug("auto_resume: saved but not in state: %s", ", ".join(sorted(unconsumed)))

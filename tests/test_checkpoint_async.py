@@ -170,10 +170,12 @@ def test_a_writer_process_that_dies_fails_the_save_clearly_and_the_next_save_wor
     accel.save(tmp_path / "step-1", state, asynchronous=True)
     accel.wait_for_save()
     dying = tmp_path / "dying_worker.py"
-    dying.write_text(
-        "import json, os, sys\n"
-        "print(json.dumps({'ready': os.getpid()}), flush=True)\n"
-        "sys.stdin.readline()\n"
+    dying.write_text(  # the worker's protocol: length-prefixed JSON frames on the channel
+        "import json, os, socket, struct, sys\n"
+        "channel = socket.socket(fileno=int(sys.argv[3]))\n"
+        "hello = json.dumps({'ready': os.getpid()}).encode()\n"
+        "channel.sendall(struct.pack('>I', len(hello)) + hello)\n"
+        "channel.recv(1)\n"
         "os._exit(3)\n"
     )
     write_process.close_all()  # the next save starts a writer from the fake script

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +35,6 @@ log = logging.getLogger("accelkit")
 
 _lock = threading.Lock()
 _pending: _Save | None = None
-_group: Any = None
 _buffer: torch.Tensor | None = None
 _pinned = False  # whether _buffer is page-locked for the GPU
 _shared: Any = None  # the SharedStaging behind _buffer, when a writer process can read it
@@ -87,15 +88,11 @@ def wait() -> None:
 
 
 def commit_group() -> Any:
-    """A gloo group over every rank for the background commit (made once; collective)."""
-    global _group
-    import torch.distributed as dist
+    """A gloo group over every rank for the background commit (made once; collective):
+    :func:`accelkit.checkpoint.commit.commit_group`."""
+    from accelkit.checkpoint import commit
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    if _group is None:
-        _group = dist.new_group(backend="gloo")
-    return _group
+    return commit.commit_group()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -207,14 +204,37 @@ def grow_staging() -> None:
 
 
 def _at_exit() -> None:
+    """At interpreter exit (after the save's thread ended): stop the writer process; if the
+    last save failed, say which checkpoint was not written and exit with status 1, so a
+    scheduler never records a job whose final checkpoint does not exist as a success.
+
+    Python ignores what an exit handler raises, so the status is set by ``os._exit`` after the
+    log handlers are flushed; exit handlers registered before this module was imported (it is
+    imported with :mod:`accelkit.checkpoint`, at ``accelkit.get``) do not run then."""
+    failed = None
+    with _lock:
+        save = _pending
     try:
         wait()
     except CheckpointError as err:
-        log.error("%s", err)
+        failed = err
     if _shared is not None:  # the writer process ends once the last save is written
         from accelkit.checkpoint import write_process
 
         write_process.close_all()
+    if failed is None:
+        return
+    path = save.path if save is not None else "?"
+    reason = failed.__cause__ or failed
+    cause = f"{type(reason).__name__}: {reason}".splitlines()[0]
+    sys.stderr.write(
+        f"accelkit: the checkpoint {path} was not written: its asynchronous save failed "
+        f"({cause}); exiting with status 1\n"
+    )
+    logging.shutdown()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 atexit.register(_at_exit)

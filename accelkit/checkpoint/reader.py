@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,6 +134,7 @@ class CheckpointReader:
         self._stages: list[torch.Tensor | None] = [None, None]
         self._lane: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()
         self._reads: list[Future] | None = None  # inside parallel_reads(): reads in flight
         self._local = threading.local()  # each thread's reusable verification buffer
         self.check_files()
@@ -149,14 +150,11 @@ class CheckpointReader:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._lane = None
-        for f in self._files.values():
-            os.close(f.fd)
-        self._files.clear()
+        self._close_files()
 
     def __del__(self) -> None:
         try:
-            for f in self._files.values():
-                os.close(f.fd)
+            self._close_files()
         except Exception:
             pass
 
@@ -208,16 +206,26 @@ class CheckpointReader:
         rank_file = self._files.get(name)
         if rank_file is not None:
             return rank_file
-        path = self.directory / name
-        try:
-            header, data_start = read_header(path)
-            size = path.stat().st_size
-            fd = os.open(path, os.O_RDONLY)
-        except (OSError, ValueError, UnicodeDecodeError, TypeError) as err:
-            raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
-        rank_file = _RankFile(fd, header, data_start, size)
-        self._files[name] = rank_file
-        return rank_file
+        with self._open_lock:  # threads verifying one file open it once (no descriptor lost)
+            rank_file = self._files.get(name)
+            if rank_file is not None:
+                return rank_file
+            path = self.directory / name
+            try:
+                header, data_start = read_header(path)
+                size = path.stat().st_size
+                fd = os.open(path, os.O_RDONLY)
+            except (OSError, ValueError, UnicodeDecodeError, TypeError) as err:
+                raise CheckpointError(f"{path}: not a readable safetensors file: {err}") from err
+            rank_file = _RankFile(fd, header, data_start, size)
+            self._files[name] = rank_file
+            return rank_file
+
+    def _close_files(self, keep: Collection[str] = ()) -> None:
+        """Close the rank files open now, but those named in ``keep`` (they reopen on demand)."""
+        with self._open_lock:
+            for name in [n for n in self._files if n not in keep]:
+                os.close(self._files.pop(name).fd)
 
     def _locate(
         self, entry: TensorEntry, frag: FragmentRecord
@@ -742,20 +750,30 @@ class CheckpointReader:
         return tensors, scalars
 
     def verify_all(self, progress: Any = None) -> list[str]:
-        """Check every fragment's checksum (in parallel); return the problems (empty: intact)."""
+        """Check every fragment's checksum (in parallel); return the problems (empty: intact).
+        The rank files it opens are closed when it returns (a checkpoint deleted after a
+        check gives its disk space back)."""
         problems: list[str] = []
         jobs = []
-        for entry in self.manifest.tensors:
-            for i, frag in enumerate(entry.fragments):
-                jobs.append((self._workers().submit(self.verify_fragment, entry, i), entry, frag))
-        for future, entry, frag in jobs:
-            try:
-                future.result()
-            except CheckpointError as err:
-                problems.append(str(err))
-            if progress is not None:
-                size = torch.empty((), dtype=DTYPES_BY_NAME.get(entry.dtype, torch.uint8))
-                progress.update(frag.numel * size.element_size())
+        already_open = set(self._files)
+        try:
+            for entry in self.manifest.tensors:
+                for i, frag in enumerate(entry.fragments):
+                    job = self._workers().submit(self.verify_fragment, entry, i)
+                    jobs.append((job, entry, frag))
+            for future, entry, frag in jobs:
+                try:
+                    future.result()
+                except CheckpointError as err:
+                    problems.append(str(err))
+                if progress is not None:
+                    size = torch.empty((), dtype=DTYPES_BY_NAME.get(entry.dtype, torch.uint8))
+                    progress.update(frag.numel * size.element_size())
+        finally:
+            for future, _, _ in jobs:  # none still reading when the files close
+                if not future.cancel():
+                    future.exception()
+            self._close_files(keep=already_open)
         if EXTRA_NAME in self.manifest.files:
             try:
                 self.extras()

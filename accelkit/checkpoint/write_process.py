@@ -6,7 +6,10 @@ many small kernels) waits at every hand-off. So the snapshot's host buffer is an
 shared-memory file (``memfd_create``, not bound by ``/dev/shm``'s size), pinned for the GPU
 with ``cudaHostRegister``, and a small process of its own (``write_worker.py``: standard
 library and ``xxhash``, started once per buffer) writes, checksums and fsyncs each rank file
-from it. The training process writes only the file's header, and waits on a pipe.
+from it. The training process creates the file, writes its header, hands the open file to the
+process, and waits for its answer, never longer than the stall limits (:func:`stall_limits`)
+without a sign of progress. The process dies with the training process, and writes only into
+the file handed to it (``write_worker.py`` says why).
 
 ``ACCELKIT_ASYNC_WRITER=threads`` keeps the writing in the training process. Where shared
 memory or the process is not available (not Linux; the process cannot start), the save uses
@@ -16,17 +19,23 @@ the threads, and says so at debug level.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import mmap
 import os
+import queue
+import select
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
+from accelkit.checkpoint.write_worker import pwrite_all, recv_frame, send_frame
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -126,9 +135,66 @@ class SharedStaging:
         return out
 
 
+def stall_limits() -> tuple[float, float]:
+    """Seconds without progress from the writer process before a warning, and before the save
+    fails: ``ACCELKIT_WRITER_STALL_WARN_S`` (default 30) and ``ACCELKIT_WRITER_STALL_S``
+    (default 300)."""
+    warn = _seconds("ACCELKIT_WRITER_STALL_WARN_S", 30.0)
+    fail = _seconds("ACCELKIT_WRITER_STALL_S", 300.0)
+    return min(warn, fail), fail
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise CheckpointError(f"{name}={raw!r}: give a number of seconds > 0 (default {default:g})")
+    return value
+
+
+_spawner: tuple[threading.Thread, queue.SimpleQueue] | None = None
+_spawner_lock = threading.Lock()
+
+
+def _in_lasting_thread(start: Callable[[], Any]) -> Any:
+    """Run ``start`` on a thread that lives as long as the process. The kernel's parent-death
+    signal follows the *thread* that started a process (prctl(2)), and a save's own thread
+    ends with the save: a writer started there would be killed after its first save."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner[0].is_alive():  # none yet, or this is a fork
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=_serve_starts, args=(requests,), name="accelkit-writer-start", daemon=True
+            )
+            thread.start()
+            _spawner = (thread, requests)
+        requests = _spawner[1]
+    answer: queue.SimpleQueue = queue.SimpleQueue()
+    requests.put((start, answer))
+    ok, value = answer.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _serve_starts(requests: queue.SimpleQueue) -> None:
+    while True:
+        start, answer = requests.get()
+        try:
+            answer.put((True, start()))
+        except BaseException as err:  # handed to the caller
+            answer.put((False, err))
+
+
 class _Writer:
     """One writer process over one shared buffer; requests go one at a time (one save is in
-    flight per process)."""
+    flight per process). Every wait on it is bounded by :func:`stall_limits`."""
 
     def __init__(self, fd: int, nbytes: int) -> None:
         env = dict(os.environ)
@@ -136,18 +202,20 @@ class _Writer:
         if found is not None and found.origin:  # xxhash where this process found it, and no more
             site = str(Path(found.origin).parent.parent)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (site, env.get("PYTHONPATH"))))
+        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [sys.executable, str(_WORKER), str(fd), str(nbytes), str(theirs.fileno())]
+        command.append(str(os.getpid()))
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, str(_WORKER), str(fd), str(nbytes)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                pass_fds=(fd,),
-                env=env,
-                text=True,
-                bufsize=1,
+            self.process = _in_lasting_thread(
+                lambda: subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, pass_fds=(fd, theirs.fileno()), env=env
+                )
             )
         except OSError as err:
+            self.channel.close()
             raise WriterUnavailable(f"cannot start {_WORKER.name}: {err}") from err
+        finally:
+            theirs.close()
         try:
             hello = self._reply("starting")
         except (CheckpointError, ValueError) as err:
@@ -159,47 +227,93 @@ class _Writer:
         _live.add(self)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.channel.fileno() >= 0 and self.process.poll() is None
 
     def _reply(self, doing: str) -> dict[str, Any]:
-        line = self.process.stdout.readline() if self.process.stdout else ""
-        if not line:
-            code = self.process.wait()
-            raise CheckpointError(
-                f"the checkpoint writer process (pid {self.process.pid}) exited with status "
-                f"{code} while {doing}; nothing was committed, earlier checkpoints are intact"
-            )
-        return json.loads(line)
+        """The next answer that is not a progress report, waiting at most the stall limit
+        since the last sign of progress (a warning at the first limit)."""
+        warn_after, fail_after = stall_limits()
+        last = time.monotonic()
+        warned = False
+        while True:
+            quiet = time.monotonic() - last
+            limit = fail_after if warned else warn_after
+            ready, _, _ = select.select([self.channel], [], [], max(0.0, limit - quiet))
+            if not ready:
+                quiet = time.monotonic() - last
+                if quiet >= fail_after:
+                    self._stalled(doing, quiet)
+                if not warned and quiet >= warn_after:
+                    warned = True
+                    log.warning(
+                        "the checkpoint writer process (pid %d) has made no progress %s for "
+                        "%.0f s (a stalled disk?); the save fails if it makes none for %.0f s "
+                        "(ACCELKIT_WRITER_STALL_S)",
+                        self.process.pid,
+                        doing,
+                        quiet,
+                        fail_after,
+                    )
+                continue
+            try:
+                message, _ = recv_frame(self.channel)
+            except TimeoutError:  # stopped half-way through a frame
+                self._stalled(doing, time.monotonic() - last)
+            except (EOFError, OSError) as err:
+                try:
+                    code: Any = self.process.wait(timeout=fail_after)
+                except subprocess.TimeoutExpired:
+                    code = "unknown (it closed its end and is still running)"
+                raise CheckpointError(
+                    f"the checkpoint writer process (pid {self.process.pid}) exited with status "
+                    f"{code} while {doing}; nothing was committed, earlier checkpoints are intact"
+                ) from err
+            if "progress" in message:
+                last, warned = time.monotonic(), False
+                continue
+            return message
+
+    def _stalled(self, doing: str, quiet: float) -> NoReturn:
+        """Kill a writer that stopped making progress and fail the save it was writing."""
+        pid = self.process.pid
+        self.close(kill=True)
+        raise CheckpointError(
+            f"the checkpoint writer process (pid {pid}) made no progress {doing} for "
+            f"{quiet:.0f} s (ACCELKIT_WRITER_STALL_S); it was killed, and nothing was "
+            "committed: earlier checkpoints are intact, and the next save starts a new writer"
+        )
 
     def write(
-        self, path: Path, items: list[tuple[int, int, int, str]], checksum: str
+        self, fd: int, name: Path, items: list[tuple[int, int, int, str]], checksum: str
     ) -> dict[str, Any]:
-        request = {"path": str(path), "items": items, "algorithm": checksum}
+        """Have the process write ``items`` into the open file ``fd`` (``name`` is for the
+        messages: the process never opens a path)."""
+        request = {"name": str(name), "items": items, "algorithm": checksum}
+        self.channel.settimeout(stall_limits()[1])  # a stopped process reads nothing
         try:
-            assert self.process.stdin is not None
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError) as err:
+            send_frame(self.channel, request, fds=(fd,))
+        except TimeoutError:
+            self._stalled(f"reading the request for {name}", stall_limits()[1])
+        except OSError as err:
             raise CheckpointError(
                 f"the checkpoint writer process (pid {self.process.pid}) is gone ({err}); "
-                f"{path} was not written, earlier checkpoints are intact"
+                f"{name} was not written, earlier checkpoints are intact"
             ) from err
-        reply = self._reply(f"writing {path}")
+        reply = self._reply(f"writing {name}")
         if "error" in reply:
-            raise CheckpointError(f"writing {path} in the writer process: {reply['error']}")
+            raise CheckpointError(f"writing {name} in the writer process: {reply['error']}")
         return reply
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stop the process: the end of the channel ends its loop (``kill``: at once)."""
         _live.discard(self)
-        try:
-            if self.process.stdin is not None:
-                self.process.stdin.close()  # the worker's loop ends at end of input
-            self.process.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
+        self.channel.close()
+        if kill:
             self.process.kill()
-            self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # in the kernel on a dead disk: it dies with us
+            self.process.kill()
 
 
 _live: set[_Writer] = set()
@@ -214,22 +328,22 @@ def write_file(
     checksum: str,
     profile: Any = None,
 ) -> dict[str, str]:
-    """Write a safetensors rank file whose tensors all lie in the shared buffer of ``writer``
-    (at ``spans``): the header here, the data by the writer process. Returns key -> digest."""
+    """Write a new safetensors rank file ``path`` whose tensors all lie in the shared buffer of
+    ``writer`` (at ``spans``): this process creates the file and writes the header, and hands
+    the open file to the writer process for the data. Returns key -> digest."""
     from accelkit.checkpoint.safetensors_io import layout
-    from accelkit.checkpoint.write_worker import pwrite_all
 
     prefix, offsets = layout(to_write, metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        pwrite_all(fd, memoryview(prefix), 0)
-    finally:
-        os.close(fd)
     items = [
         (len(prefix) + offsets[key], offset, nbytes, key)
         for (key, _), (offset, nbytes) in zip(to_write, spans, strict=True)
     ]
-    reply = writer.write(path, items, checksum)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        pwrite_all(fd, memoryview(prefix), 0)
+        reply = writer.write(fd, path, items, checksum)
+    finally:
+        os.close(fd)
     if profile is not None:
         profile.writer = "process"
         profile.add_work("pwrite", reply["pwrite"])

@@ -1,22 +1,33 @@
 """The asynchronous save's writer process: it writes and checksums a rank file's tensors from the
 staging memory it shares with the training process.
 
-Run as a script (``python write_worker.py FD NBYTES``). It uses the standard library and
-``xxhash`` alone, so it starts in milliseconds and shares nothing with training but that memory;
-for the same reason it is the one home of the two file calls the in-process writers use too
-(:func:`pwrite_all`, :func:`load_sync_file_range`): importing it costs nothing. A writer thread in the training process would take the GIL back
-after every write and checksum call, and a step whose Python thread launches many small kernels
-pays for each hand-off; this process never contends for it.
+Run as a script (``python write_worker.py BUFFER_FD NBYTES CHANNEL_FD PARENT_PID``). It uses the
+standard library and ``xxhash`` alone, so it starts in milliseconds and shares nothing with
+training but that memory; for the same reason it is the one home of the two file calls the
+in-process writers use too (:func:`pwrite_all`, :func:`load_sync_file_range`): importing it costs
+nothing. A writer thread in the training process would take the GIL back after every write and
+checksum call, and a step whose Python thread launches many small kernels pays for each
+hand-off; this process never contends for it.
 
-Protocol: one JSON request per line on stdin, one JSON reply per line on stdout.
+It lives no longer than the training process that started it, and never writes where a later
+run could look (a writer stopped while its trainer died, then woken, must not touch the
+restarted run's files):
 
-- ``{"path", "items": [[file_offset, buffer_offset, nbytes, key], ...], "algorithm"}``:
-  write each item's bytes from the shared buffer into the existing file ``path`` at its offset,
-  in pieces, each piece handed to the kernel's writeback at once and checksummed while it is
-  still in cache; then fsync. Reply ``{"digests": {key: hex}, "pwrite": s, "checksum": s,
-  "fsync": s}``, or ``{"error": message}``.
+- the kernel kills it when its parent dies (``PR_SET_PDEATHSIG``), and it checks before every
+  write that its parent is still the process that started it;
+- it writes only into a file the training process opened and handed over as a descriptor with
+  the request, never a path it looks up itself: an old file stays the old file, even after a
+  new run made another of the same name.
 
-It exits when stdin closes (the training process ended, or replaced its staging memory).
+Protocol, over a Unix socket (``CHANNEL_FD``): frames of a 4-byte big-endian length and JSON
+(:func:`send_frame`, :func:`recv_frame`). The worker first sends ``{"ready": pid}``. A request,
+``{"name", "items": [[file_offset, buffer_offset, nbytes, key], ...], "algorithm"}``, carries
+the open file as its one descriptor; the worker writes each item's bytes from the shared buffer
+at its offset, in pieces, each piece handed to the kernel's writeback at once and checksummed
+while it is still in cache; then fsyncs. While it writes it sends ``{"progress": bytes}`` (at
+most every :data:`PROGRESS_EVERY_S`), so the training process can tell a slow disk from a
+stalled one; then ``{"digests": {key: hex}, "pwrite": s, "checksum": s, "fsync": s}``, or
+``{"error": message}``. It exits quietly when the socket closes or its parent is gone.
 """
 
 import os
@@ -30,11 +41,56 @@ import ctypes.util
 import hashlib
 import json
 import mmap
+import signal
+import socket
+import struct
 import time
 
 #: bytes per write call: each piece goes to writeback and is hashed while still in cache
 PIECE = 8 << 20
 SYNC_FILE_RANGE_WRITE = 2
+#: the least time between two progress reports of one request
+PROGRESS_EVERY_S = 0.5
+#: the largest frame either side accepts (a request lists every tensor of a rank file)
+MAX_FRAME = 256 << 20
+_PR_SET_PDEATHSIG = 1
+
+
+class ParentGone(Exception):
+    """The training process that started this writer has exited."""
+
+
+def send_frame(sock, message, fds=()):
+    """Send ``message`` (JSON) as one frame, with ``fds`` riding on its first byte."""
+    data = json.dumps(message).encode()
+    frame = struct.pack(">I", len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [frame], list(fds))
+        frame = frame[sent:]
+    sock.sendall(frame)
+
+
+def recv_frame(sock, max_fds=0):
+    """One frame's message and the descriptors that came with it; EOFError at end of stream."""
+    data, fds = b"", []
+    need = 4
+    while len(data) < need:
+        if max_fds:
+            chunk, got, _, _ = socket.recv_fds(sock, need - len(data), max_fds)
+            fds.extend(got)
+        else:
+            chunk = sock.recv(need - len(data))
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            raise EOFError("the other side closed the channel")
+        data += chunk
+        if need == 4 and len(data) >= 4:
+            size = struct.unpack(">I", data[:4])[0]
+            if size > MAX_FRAME:
+                raise ValueError(f"a frame of {size} bytes is larger than {MAX_FRAME}")
+            need = 4 + size
+    return json.loads(data[4:]), fds
 
 
 def _hasher(algorithm):
@@ -69,17 +125,31 @@ def pwrite_all(fd, view, offset):
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def write(buffer, request, writeback):
+def die_with_parent(parent):
+    """Ask the kernel to kill this process when its parent exits; False if that parent (pid
+    ``parent``) is already gone."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the check before each write still holds
+    return os.getppid() == parent
+
+
+def write(buffer, request, fd, writeback, parent, report):
+    """Write ``request``'s items into the open file ``fd``; ``report(bytes)`` after each piece."""
     times = {"pwrite": 0.0, "checksum": 0.0, "fsync": 0.0}
     digests = {}
     view = memoryview(buffer)
-    fd = os.open(request["path"], os.O_WRONLY)
+    done = 0
     try:
         for file_offset, buffer_offset, nbytes, key in request["items"]:
             if buffer_offset < 0 or buffer_offset + nbytes > len(view):
                 raise ValueError(f"{key}: bytes [{buffer_offset}, +{nbytes}) are outside staging")
             hasher = _hasher(request["algorithm"])
             for lo in range(0, nbytes, PIECE):
+                if os.getppid() != parent:  # nothing written now could be wanted
+                    raise ParentGone
                 piece = view[buffer_offset + lo : buffer_offset + min(nbytes, lo + PIECE)]
                 started = time.perf_counter()
                 pwrite_all(fd, piece, file_offset + lo)
@@ -89,36 +159,67 @@ def write(buffer, request, writeback):
                 hasher.update(piece)
                 times["pwrite"] += written - started
                 times["checksum"] += time.perf_counter() - written
+                done += len(piece)
                 piece.release()
+                report(done)
             digests[key] = hasher.hexdigest()
         started = time.perf_counter()
         os.fsync(fd)
         times["fsync"] = time.perf_counter() - started
     finally:
-        os.close(fd)
         view.release()
     return {"digests": digests, **times}
+
+
+def serve(channel, buffer, parent):
+    """Answer requests until the channel closes."""
+    writeback = load_sync_file_range()
+    send_frame(channel, {"ready": os.getpid()})
+    while True:
+        request, fds = recv_frame(channel, max_fds=1)
+        last = [time.monotonic()]
+
+        def report(done, last=last):
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S:
+                last[0] = now
+                send_frame(channel, {"progress": done})
+
+        try:
+            if len(fds) != 1:
+                raise ValueError(f"a request carries one open file, this one {len(fds)}")
+            reply = write(buffer, request, fds[0], writeback, parent, report)
+        except (ParentGone, OSError) as err:
+            if os.getppid() != parent:
+                raise ParentGone from err
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        except Exception as err:  # the training process raises it, naming the checkpoint
+            reply = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        send_frame(channel, reply)
 
 
 def main(argv):
     import xxhash  # noqa: F401  (fail at start, where the training process falls back to threads)
 
-    fd, nbytes = int(argv[1]), int(argv[2])
+    buffer_fd, nbytes, channel_fd, parent = (int(a) for a in argv[1:5])
+    if not die_with_parent(parent):
+        return 0
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # below the training process
     except (AttributeError, OSError):
         pass
-    buffer = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
-    os.close(fd)
-    writeback = load_sync_file_range()
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        try:
-            reply = write(buffer, json.loads(line), writeback)
-        except Exception as err:  # the training process raises it, naming the checkpoint
-            reply = {"error": f"{type(err).__name__}: {err}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+    buffer = mmap.mmap(buffer_fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
+    os.close(buffer_fd)
+    channel = socket.socket(fileno=channel_fd)
+    try:
+        serve(channel, buffer, parent)
+    except (EOFError, ParentGone, ConnectionError):
+        pass  # the training process closed the channel, or is gone: nothing to say to anyone
+    finally:
+        channel.close()
     return 0
 
 

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,10 +28,11 @@ from typing import Any
 import torch
 
 from accelkit import distributed
+from accelkit.checkpoint import background, commit, storage
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
-from accelkit.checkpoint import storage
 from accelkit.checkpoint.codec import drop_callables, encode
+from accelkit.checkpoint.commit import agree, was_agreed  # noqa: F401  (callers import them here)
 from accelkit.checkpoint.digest import DEFAULT as DEFAULT_CHECKSUM
 from accelkit.checkpoint.digest import check_algorithm
 from accelkit.checkpoint.fragments import Fragment, ObjectInfo, StateObjects, classify_state
@@ -65,28 +67,6 @@ def backend_of(accel: Any) -> Any:
     if isinstance(accel, Backend):
         return accel
     return accel.backend
-
-
-def agree(error: BaseException | None, what: str, group: Any = None) -> None:
-    """All ranks (of ``group``) learn whether any rank failed; every rank then raises the same
-    error."""
-    message = None if error is None else f"{type(error).__name__}: {error}"
-    messages = distributed.all_gather_object(message, group)
-    failed = [(r, m) for r, m in enumerate(messages) if m]
-    if not failed:
-        return
-    if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
-        error.agreed = True  # type: ignore[attr-defined]
-        raise error
-    detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-    agreed = CheckpointError(f"{what} failed: {detail}")
-    agreed.agreed = True  # type: ignore[attr-defined]
-    raise agreed from error
-
-
-def was_agreed(error: BaseException) -> bool:
-    """Whether ``error`` came out of :func:`agree` (so every rank of the group raises it now)."""
-    return bool(getattr(error, "agreed", False))
 
 
 def _gather_to_rank0(record: dict[str, Any], group: Any = None) -> list[dict[str, Any]]:
@@ -238,11 +218,10 @@ def _write_planned(
     rank = record["rank"]
     file_name = record["file"]["name"]
     file_path = storage.temp_dir(path) / file_name
+    written = _unique_sibling(file_path)
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)}
     shared = None
     if profile is not None and profile.asynchronous:
-        from accelkit.checkpoint import background
-
         shared = background.shared_staging(to_write)
     if shared is not None:  # the snapshot is in shared memory: the writer process writes it
         from accelkit.checkpoint import write_process
@@ -255,9 +234,9 @@ def _write_planned(
             process = None
         if process is not None:
             digests = write_process.write_file(
-                file_path, to_write, spans, process, metadata, checksum, profile
+                written, to_write, spans, process, metadata, checksum, profile
             )
-            return _complete(record, digests, checksum, file_path)
+            return _complete(record, digests, checksum, written, file_path)
     workers = max(1, min(8, (os.cpu_count() or 2)))
     initializer = None
     if profile is not None and profile.asynchronous:
@@ -266,15 +245,24 @@ def _write_planned(
         workers, initializer = min(workers, ASYNC_WRITERS), _lower_priority
     with ThreadPoolExecutor(max_workers=workers, initializer=initializer) as pool:
         digests = write_file(
-            file_path, to_write, metadata, pool=pool, checksum=checksum, profile=profile
+            written, to_write, metadata, pool=pool, checksum=checksum, profile=profile
         )
-    return _complete(record, digests, checksum, file_path)
+    return _complete(record, digests, checksum, written, file_path)
+
+
+def _unique_sibling(file_path: Path) -> Path:
+    """A name next to ``file_path`` that no other save and no other process uses: a rank file
+    is written under it and renamed once complete, so bytes a dead run's writer sends late
+    never land in a file of the same name that a restarted run writes."""
+    return file_path.with_name(f".{file_path.name}.{os.getpid()}-{secrets.token_hex(6)}.part")
 
 
 def _complete(
-    record: dict[str, Any], digests: dict[str, str], checksum: str, file_path: Path
+    record: dict[str, Any], digests: dict[str, str], checksum: str, written: Path, file_path: Path
 ) -> dict[str, Any]:
-    """The rank's record with each fragment's checksum and the file's size."""
+    """Give the finished file ``written`` its name ``file_path``; the rank's record with each
+    fragment's checksum and the file's size."""
+    os.rename(written, file_path)  # the directory's fsync at the commit makes it durable
     for rec in record["fragments"]:
         rec["digest"] = digests.get(rec["key"], "")
         rec["algorithm"] = checksum
@@ -423,9 +411,8 @@ def save(
     ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic). ``asynchronous``:
     return once the state is copied to host memory; writing and committing go on in the
     background (:mod:`accelkit.checkpoint.background`)."""
-    from accelkit.checkpoint import background
-
     background.wait()  # the save in flight commits (or raises) before this one starts
+    commit.roll_call("started", f"saving {path}")  # a rank that never comes is named, in time
     started = time.perf_counter()
     profile = profiling.SaveProfile(asynchronous=asynchronous)
     check_algorithm(checksum)
@@ -433,6 +420,7 @@ def save(
         from accelkit.checkpoint import write_process
 
         write_process.enabled()  # a misspelt ACCELKIT_ASYNC_WRITER is refused now, not later
+        write_process.stall_limits()  # and so is a malformed stall limit
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     backend = backend_of(accel)
@@ -481,8 +469,8 @@ def save(
     job = (backend, counters, path, *planned, list(state), step)
     options = {"checksum": checksum, "exclude_frozen": exclude_frozen, "profile": profile}
     options.update(latest=latest, keep_last=keep_last, started=started)
+    group = commit.commit_group()
     if asynchronous:
-        group = background.commit_group()
         background.start(path, lambda: _write_and_commit(*job, group=group, **options))
         if rank == 0:
             log.info(
@@ -491,7 +479,7 @@ def save(
                 time.perf_counter() - started,
             )
         return path
-    _write_and_commit(*job, group=None, **options)
+    _write_and_commit(*job, group=group, **options)
     return path
 
 
@@ -512,38 +500,39 @@ def _write_and_commit(
     started: float,
     profile: profiling.SaveProfile,
 ) -> None:
-    """Every rank writes its file; rank 0 builds the manifest and commits (collective on
-    ``group``)."""
+    """Every rank writes its shards (its rank file); every rank reports; rank 0 writes the
+    manifest and commits; every rank learns the outcome (:mod:`accelkit.checkpoint.commit`:
+    collectives on ``group``, each wait bounded)."""
     rank = record["rank"]
     profile.tensors = len(to_write)
     profile.nbytes = sum(t.numel() * t.dtype.itemsize for _, t in to_write)
     error = None
     with profile.phase("write"):
         try:
-            record = _write_planned(path, record, to_write, checksum, profile)
+            with commit.working("written"):
+                record = _write_planned(path, record, to_write, checksum, profile)
         except Exception as err:
             error = err
     profile.phases["write"] -= profile.phases.get("fsync", 0.0)  # fsync is its own phase
     to_write.clear()  # a snapshot's device copies are released as soon as they are written
     with profile.phase("gather"):
-        agree(error, f"saving {path}", group)
+        commit.report("written", error, f"saving {path}", group)
         records = _gather_to_rank0(record, group)
 
     error = None
     with profile.phase("commit"):
         if rank == 0:
             try:
-                manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
-                if exclude_frozen:
-                    manifest.data["excluded_frozen"] = True
-                finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
+                with commit.working("committed"):  # a long rotation is not a dead rank 0
+                    manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
+                    if exclude_frozen:
+                        manifest.data["excluded_frozen"] = True
+                    finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
             except Exception as err:
                 error = err
-        agree(error, f"saving {path}", group)
+        commit.report("committed", error, f"saving {path}", group)
     profiling.record(profile)
     if profile.asynchronous:  # pin the next save's staging now, off the training thread
-        from accelkit.checkpoint import background
-
         background.grow_staging()
     if rank == 0:
         size = sum(r["file"]["bytes"] for r in records)
