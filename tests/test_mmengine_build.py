@@ -576,7 +576,9 @@ def test_the_reference_raises_type_errors(mmengine_raises: dict) -> None:
     assert {name: raised[0] for name, raised in mmengine_raises.items()} == {
         name: "TypeError" for name in INVALID
     }
-    worded = {n for n, raised in mmengine_raises.items() if "should be an OptimWrapper" in raised[1]}
+    worded = {
+        n for n, raised in mmengine_raises.items() if "should be an OptimWrapper" in raised[1]
+    }
     assert worded == {"string", "list", "number"}
 
 

@@ -216,9 +216,7 @@ class Bridge:
         reads them (``load_state_dict`` steps into a BaseTTAModel's ``.module``)."""
         from mmengine.model import BaseTTAModel
 
-        if isinstance(model.module, BaseTTAModel) and not self.partitions_parameters(
-            model.wrapped
-        ):
+        if isinstance(model.module, BaseTTAModel) and not self.partitions_parameters(model.wrapped):
             return model.module.module
         return model.wrapped
 

@@ -185,7 +185,8 @@ def optim_wrapper_subclass(type_: Any) -> type:
         raise _ConfigKeyError(
             f"{type_} is not in the {OPTIM_WRAPPERS.scope}::{OPTIM_WRAPPERS.name} registry. "
             f"Please check whether the value of `{type_}` is correct or it was registered as "
-            "expected."
+            "expected. More details can be found at https://mmengine.readthedocs.io/en/latest/"
+            "advanced_tutorials/config.html#import-the-custom-module"
         )
     if not (isinstance(cls, type) and issubclass(cls, OptimWrapper)):
         raise ConfigError(

@@ -110,7 +110,10 @@ class AccelkitCheckpointHook(CheckpointHook):
         self._forwarder: RunnerLogFileHandler | None = RunnerLogFileHandler(runner.logger)
         self._runs = 1
         logger.addHandler(self._forwarder)
-        weakref.finalize(runner, _detach, self._forwarder)  # a runner dropped mid-run
+        try:  # a runner dropped mid-run (FlexibleRunner has no exception path of its own)
+            weakref.finalize(runner, _detach, self._forwarder)
+        except TypeError:  # an object without weak references: the paths above still apply
+            pass
         runner.logger.info(
             "AccelkitCheckpointHook: MMEngine's CheckpointHook; it deletes old checkpoints only "
             "after the new one is complete, and writes accelkit's log lines into this log file"
