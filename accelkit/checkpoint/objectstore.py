@@ -128,6 +128,10 @@ class ObjectMissing(CheckpointError):
     """The object (or the bucket) does not exist."""
 
 
+class BucketMissing(ObjectMissing):
+    """The bucket does not exist."""
+
+
 class ObjectExists(CheckpointError):
     """A conditional create found the object already there."""
 
@@ -180,7 +184,7 @@ class ObjectStore:
             code = str(err.response.get("Error", {}).get("Code", ""))
             status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
-                return ObjectMissing(
+                return BucketMissing(
                     f"{doing} {where}: the bucket {self.bucket!r} does not exist at {endpoint}. "
                     "Create it first, or fix the bucket name."
                 )
@@ -221,10 +225,24 @@ class ObjectStore:
             return self._call("reading", key, self.client.head_object, Bucket=self.bucket, Key=key)[
                 "ContentLength"
             ]
-        except ObjectMissing as err:
-            if "bucket" in str(err):
-                raise
+        except BucketMissing:
+            raise
+        except ObjectMissing:
             return None
+
+    def check_bucket(self) -> None:
+        """Raise a clear error where the bucket does not exist or cannot be reached (a HEAD of
+        a missing object cannot tell a missing bucket from a missing key)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as err:
+            error = self._error(err, "", "using")
+            if isinstance(error, ObjectMissing):
+                raise BucketMissing(
+                    f"s3://{self.bucket}: the bucket {self.bucket!r} does not exist at "
+                    f"{self.client.meta.endpoint_url}. Create it first, or fix the bucket name."
+                ) from err
+            raise error from err
 
     def get(self, key: str) -> bytes:
         reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)

@@ -88,9 +88,9 @@ def _pointer_target(
     pointer = where.child(storage.LATEST_NAME)
     try:
         named = store.get(pointer.key).decode(errors="replace").strip()
-    except objectstore.ObjectMissing as err:
-        if "bucket" in str(err):
-            raise
+    except objectstore.BucketMissing:
+        raise
+    except objectstore.ObjectMissing:
         return None, ""
     if not named or named in (".", "..") or "/" in named:
         return None, (
@@ -118,6 +118,7 @@ def resolve(where: S3Location, storage_options: dict[str, Any] | None = None) ->
     if refused:
         raise CheckpointError(refused)
     if next(store.list(where.key + "/"), None) is None:
+        store.check_bucket()
         raise CheckpointError(f"{where}: no such checkpoint (nothing is stored there)")
     raise CheckpointError(
         f"{where}: neither a checkpoint (no {MANIFEST_NAME}: a save that did not complete leaves "
@@ -329,6 +330,7 @@ def prepare(where: S3Location, storage_options: dict[str, Any] | None = None) ->
             f"{where}: a checkpoint needs a name below the bucket (s3://bucket/run/step-6)"
         )
     store = objectstore.store_for(where, storage_options)
+    store.check_bucket()
     if store.head(where.child(MANIFEST_NAME).key) is not None:
         raise CheckpointError(
             f"{where} is a committed checkpoint already. accelkit never overwrites a checkpoint "
