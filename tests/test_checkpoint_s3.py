@@ -320,3 +320,33 @@ def test_ddp_two_ranks_save_to_s3_and_cpu_resumes(s3, tmp_path):
     resumed = _launch([dict(backend="cpu", out=str(out), tag="G", load_from=s3.url("ddp"))], 1)
     ref.assert_same_state(ref.undump(out / "B-saved"), ref.undump(out / "G-loaded"))
     assert resumed[0][0]["seen"] == saved[0][0]["seen"][dist_test.SAVE_AT :]
+
+
+# ---- accelkit convert / inspect ------------------------------------------------------------------
+def test_inspect_and_convert_read_and_write_s3(s3, saved, tmp_path):
+    from accelkit.cli import main
+
+    url, want, _ = saved
+    assert main(["inspect", s3.url("run")]) == 0  # follows latest, verifies every checksum
+    assert main(["convert", url, str(tmp_path / "model.pt")]) == 0
+    assert main(["convert", url, s3.url("copy/model.pt")]) == 0
+    assert s3.keys("copy") == ["copy/model.pt"]
+    s3.client().download_file(s3.bucket, f"{s3.prefix}/copy/model.pt", str(tmp_path / "back.pt"))
+    for written in (tmp_path / "model.pt", tmp_path / "back.pt"):
+        model = torch.load(written, weights_only=True)  # the model state dict
+        assert model.keys() == {k[2:] for k in want if k.startswith("m.")}
+        for key, value in model.items():
+            assert torch.equal(value, want[f"m.{key}"]), key
+
+
+def test_inspect_names_the_object_that_fails_its_checksum(s3, saved, capsys):
+    from accelkit.cli import main
+
+    url, _, _ = saved
+    client, key = s3.client(), f"{s3.prefix}/run/step-3/rank-00000.safetensors"
+    data = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    data[-3] ^= 0x01
+    client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
+    assert main(["inspect", s3.url("run")]) == 1
+    err = capsys.readouterr().err
+    assert f"{url}/rank-00000.safetensors" in err and "FAILED" in err

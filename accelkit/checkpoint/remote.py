@@ -257,6 +257,17 @@ def fetched(
         shutil.rmtree(local.parent, ignore_errors=True)
 
 
+def _cited(err: CheckpointError, pairs: list[tuple[Path, Any]]) -> CheckpointError:
+    """``err`` with each local path of ``pairs`` replaced by its S3 location."""
+    message = str(err)
+    for local, where in pairs:
+        message = message.replace(str(local), str(where))
+    cited = type(err)(message)
+    for attr, value in vars(err).items():
+        setattr(cited, attr, value)
+    return cited
+
+
 def _renamed(err: CheckpointError, local: Path, target: S3Location) -> CheckpointError:
     """``err`` with the temporary directories' paths (this rank's, and the others' an agreed
     error quotes) replaced by the S3 location."""
@@ -278,10 +289,11 @@ def fetched_pretrained(
     from accelkit.checkpoint.pretrained import INDEX_NAME, SINGLE_NAME
 
     store = objectstore.store_for(where, storage_options)
-    local = _staging_dir(LOAD_PREFIX) / (where.name or where.bucket)
+    single = bool(where.key) and store.head(where.key) is not None  # an object, not a prefix
+    local = _staging_dir(LOAD_PREFIX) / ("object" if single else (where.name or where.bucket))
     local.mkdir()
     try:
-        if where.key.endswith(".safetensors"):
+        if single:
             download(where.parent, local, [where.name], storage_options)
             yielded = local / where.name
         elif store.head(where.child(INDEX_NAME).key) is not None:
@@ -315,10 +327,81 @@ def fetched_pretrained(
         try:
             yield yielded
         except CheckpointError as err:
-            message = str(err).replace(str(local), str(where))
-            raise type(err)(message) from err
+            pairs = [(yielded, where), (local, where.parent if single else where)]
+            raise _cited(err, pairs) from err
     finally:
         shutil.rmtree(local.parent, ignore_errors=True)
+
+
+@contextmanager
+def local_paths(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[tuple[Any, Any, Any]]:
+    """For tools that work on local files (``accelkit convert`` / ``inspect``): an ``s3://``
+    ``src`` downloaded (a checkpoint, after ``latest``; a single object; pretrained
+    safetensors), and a local stand-in for an ``s3://`` ``dst``. Yields ``(src, dst,
+    publish)``: ``publish(written)`` uploads what the tool wrote to ``dst`` (a checkpoint's
+    manifest last) and returns where it now is. Local paths pass through unchanged."""
+    from contextlib import ExitStack
+
+    pairs: list[tuple[Path, Any]] = []
+    with ExitStack() as stack:
+        local_src: Any = src
+        source = objectstore.location(src)
+        if source is not None:
+            if holds_checkpoint(source, storage_options):
+                target = resolve(source, storage_options)
+                local_src = stack.enter_context(fetched(target, storage_options))
+            else:
+                target = source
+                local_src = stack.enter_context(fetched_pretrained(source, storage_options))
+            pairs.append((Path(local_src), target))
+        local_dst: Any = dst
+        destination = objectstore.location(dst) if dst is not None else None
+        if destination is not None:
+            staging = _staging_dir("accelkit-s3-out-")
+            stack.callback(shutil.rmtree, staging, True)
+            local_dst = staging / (destination.name or "out")
+            pairs.append((local_dst, destination))
+
+        def publish(written: Any) -> Any:
+            if destination is None:
+                return written
+            upload_tree(Path(written), destination, storage_options)
+            return str(destination)
+
+        try:
+            yield local_src, local_dst, publish
+        except CheckpointError as err:
+            raise _cited(err, pairs) from err
+
+
+def upload_tree(
+    local: Path, where: S3Location, storage_options: dict[str, Any] | None = None
+) -> None:
+    """A local file, or the files of a local directory, to ``where``; a checkpoint's manifest
+    and a safetensors index go last, so a reader never sees them before what they list."""
+    store = objectstore.store_for(where, storage_options)
+    store.check_bucket()
+    if local.is_file():
+        with _pool() as pool:
+            store.upload(where.key, local, pool)
+        return
+    last = (MANIFEST_NAME, "model.safetensors.index.json", storage.LATEST_NAME)
+    files = sorted(
+        (p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name in last, str(p))
+    )
+    if (local / MANIFEST_NAME).is_file():
+        prepare(where, storage_options)
+    with _pool() as pool:
+        for path in files:
+            key = where.child(path.relative_to(local).as_posix()).key
+            if path.name == MANIFEST_NAME:
+                store.put(key, path.read_bytes(), if_absent=True)
+            else:
+                store.upload(key, path, pool)
 
 
 # ---- writing ------------------------------------------------------------------------------------

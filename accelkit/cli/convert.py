@@ -97,25 +97,32 @@ def _hf_options(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from accelkit.checkpoint.convert import convert
+    from accelkit.checkpoint.remote import local_paths
     from accelkit.errors import CheckpointError
     from accelkit.log import configure
 
     configure()
     try:
-        out = convert(
-            args.src,
-            args.dst,
-            trust_pickle=args.trust_pickle,
-            fmt=args.format,
-            obj=args.object,
-            strip_prefix=args.strip_prefix,
-            progress=args.progress,
-            to=args.to,
-            optimizer=args.with_optimizer,
-            **_hf_options(args),
-        )
+        # s3:// on either side: the source is downloaded, the result uploaded (manifest last)
+        with local_paths(args.src, args.dst) as (src, dst, publish):
+            out = publish(_convert(convert, src, dst, args))
     except CheckpointError as err:
         print(f"accelkit convert: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0
+
+
+def _convert(convert, src, dst, args: argparse.Namespace):
+    return convert(
+        src,
+        dst,
+        trust_pickle=args.trust_pickle,
+        fmt=args.format,
+        obj=args.object,
+        strip_prefix=args.strip_prefix,
+        progress=args.progress,
+        to=args.to,
+        optimizer=args.with_optimizer,
+        **_hf_options(args),
+    )

@@ -79,14 +79,24 @@ def summary_lines(reader: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelkit.checkpoint import CheckpointReader
+    from accelkit.checkpoint import objectstore, remote
     from accelkit.errors import CheckpointError
 
     try:
-        reader = CheckpointReader(args.checkpoint)
+        # an s3:// checkpoint is downloaded first; messages name its objects
+        where = objectstore.location(args.checkpoint)
+        cited = str(args.checkpoint if where is None else remote.resolve(where))
+        with remote.local_paths(args.checkpoint) as (local, _, _):
+            return _inspect(args, local, cited)
     except CheckpointError as err:
         print(f"accelkit inspect: {err}", file=sys.stderr)
         return 1
+
+
+def _inspect(args: argparse.Namespace, path: Any, cited: str) -> int:
+    from accelkit.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(path)
     with reader:
         if args.json:
             print(json.dumps(reader.manifest.data, indent=1))
@@ -118,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             print(f"checksums   {len(problems)} of {fragments} fragment(s) FAILED", file=sys.stderr)
             for problem in problems:
+                if str(path) != cited:  # a downloaded copy: name the objects
+                    problem = problem.replace(str(reader.directory), cited)
                 print(f"  {problem}", file=sys.stderr)
             return 1
         print(f"checksums   all {fragments} fragments OK")
