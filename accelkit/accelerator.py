@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,11 +24,15 @@ from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.seed import seed_everything
 from accelkit.wrappers import (
     AcceleratedOptimizer,
+    check_setup_arguments,
     guard_scheduler_step,
     is_composite_part,
+    learning_rates,
     mark_step_tracked,
+    own_optimizer,
     patch_forward,
     release_scheduler,
+    say_which_learning_rate_won,
 )
 
 if TYPE_CHECKING:
@@ -69,6 +75,9 @@ class Accelerator:
         self._windows: dict[int, _Window] = {}
         self._schedulers: dict[int, list[tuple[Any, Any]]] = {}
         self._models: list[torch.nn.Module] = []
+        #: the modules handed to setup(), as given (a wrapper's unwrap may not reach them)
+        self._raw_models: list[torch.nn.Module] = []
+        self._given_optimizers: list[torch.optim.Optimizer] = []
         self._loaders: list[AcceleratedDataLoader] = []
         #: loaders being iterated, the one that yielded the latest batch last (an evaluation
         #: loop inside a training batch nests)
@@ -162,14 +171,12 @@ class Accelerator:
         to the backend (``compile=True``, ``activation_checkpointing=...``, ...).
         """
         distributed.refuse_unsynced("setup()")  # wrapping broadcasts or shards the weights
-        for opt in optimizers:
-            if isinstance(opt, AcceleratedOptimizer):
-                raise ConfigError("this optimizer was already set up; pass the original one")
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise ConfigError(f"setup() takes torch optimizers, got {type(opt).__name__}")
+        check_setup_arguments(self._is_set_up(model), optimizers)
         result = self.backend.setup(model, list(optimizers), **kwargs)
         wrapped = patch_forward(result.model, self.backend)
         self._models.append(wrapped)
+        self._raw_models.append(model)
+        self._given_optimizers.extend(optimizers)
         outs = []
         for inner in result.optimizers:
             proxy = AcceleratedOptimizer(inner, self, wrapped)
@@ -304,7 +311,9 @@ class Accelerator:
 
     def _is_set_up(self, model: torch.nn.Module) -> bool:
         """``model`` is one :meth:`setup` returned, or the user's own module inside one."""
-        return any(model is m or model is self.backend.unwrap(m) for m in self._models)
+        return any(model is m for m in self._raw_models) or any(
+            model is m or model is self.backend.unwrap(m) for m in self._models
+        )
 
     def _windows_of(self, models: tuple[torch.nn.Module, ...]) -> list[_Window]:
         """The windows of the optimizers of ``models`` (of all optimizers when none match)."""
@@ -351,7 +360,11 @@ class Accelerator:
         by the fp16 loss scaler). A window closes after ``accumulation_steps`` micro-batches or
         at the last batch of a loader from :meth:`setup_dataloader`, whichever comes first.
         """
-        targets = [optimizer] if optimizer is not None else list(self._optimizers)
+        targets = (
+            [own_optimizer(optimizer, self._optimizers, self._given_optimizers)]
+            if optimizer is not None
+            else self._optimizers
+        )
         if not targets:
             raise UnsupportedError("no optimizer was set up; pass one to accelerator.setup()")
         applied = False
@@ -391,7 +404,11 @@ class Accelerator:
 
     def zero_grad(self, optimizer: AcceleratedOptimizer | None = None) -> None:
         """Zero gradients, except inside an open accumulation window (they are still needed)."""
-        for opt in [optimizer] if optimizer is not None else self._optimizers:
+        for opt in (
+            [own_optimizer(optimizer, self._optimizers, self._given_optimizers)]
+            if optimizer is not None
+            else self._optimizers
+        ):
             if self._windows[id(opt)].micro == 0:
                 self.backend.zero_grad(opt.optimizer)
 
@@ -573,6 +590,17 @@ class Accelerator:
         anything is written; floats convert (bf16 files into fp32 weights). Collective."""
         from accelkit.checkpoint import load_pretrained
 
+        if not self._is_set_up(model) and (
+            self.capabilities.init_context != "device" or any(p.is_meta for p in model.parameters())
+        ):
+            raise UnsupportedError(
+                "load_pretrained() fills a model that setup() returned, and this one was not "
+                f"set up: on {self.name!r} the model built in init_module() gets its storage "
+                "(allocated, sharded or partitioned) in setup(). Call "
+                "`model, opt = accel.setup(model, opt)` first, then "
+                "`accel.load_pretrained(model, source)`."
+            )
+        started = time.perf_counter()
         load_pretrained(
             self,
             model,
@@ -582,6 +610,14 @@ class Accelerator:
             strip_prefix=strip_prefix,
             add_prefix=add_prefix,
         )
+        log.info(
+            "loaded pretrained weights from %s in %.2f s", source, time.perf_counter() - started
+        )
+        from accelkit.checkpoint.fragments import PRETRAINED_FROM
+
+        # where the weights came from: a later save records it, for the export's config.json
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        self.backend.unwrap(model).__dict__[PRETRAINED_FROM] = str(folder.absolute())
 
     def load(
         self,
@@ -602,8 +638,12 @@ class Accelerator:
             raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
         from accelkit.checkpoint import load
 
+        built_with = learning_rates(state)
+        started = time.perf_counter()
         unconsumed = load(self, path, state, strict=strict, **kwargs)
+        log.info("loaded %s in %.2f s", path, time.perf_counter() - started)
         self._restore_applied_steps(path, kwargs.get("storage_options"))
+        say_which_learning_rate_won(built_with, learning_rates(state), path)
         return unconsumed
 
     def _restore_applied_steps(
@@ -718,6 +758,8 @@ class Accelerator:
         self.backend.release()
         self._optimizers.clear()
         self._models.clear()
+        self._raw_models.clear()
+        self._given_optimizers.clear()
         self._schedulers.clear()
         self._windows.clear()
         self._loaders.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from accelkit import registry
+from accelkit import distributed, registry
 from accelkit.accelerator import Accelerator
 from accelkit.backend import Settings, check_precision_supported
 from accelkit.errors import ConfigError
@@ -86,8 +86,24 @@ def get(
             "max_grad_norm, or a backend whose gradients are whole before the step (cpu, cuda, "
             "ddp, fsdp)."
         )
+    _refuse_one_process_backend_under_launcher(canonical, backend.capabilities)
     backend.launch()
     return Accelerator(backend)
+
+
+def _refuse_one_process_backend_under_launcher(name: str, capabilities: Any) -> None:
+    """A one-process backend under ``accelkit run``/torchrun/srun would run the whole job once
+    per process, each copy writing the same checkpoints and logs: refuse, saying what to pick."""
+    launched = distributed.launched_world_size()
+    if launched <= 1 or capabilities.distributed:
+        return
+    raise ConfigError(
+        f"backend {name!r} runs one process on one device, but this script was launched on "
+        f"{launched} processes (WORLD_SIZE={launched}): each would run the whole job alone and "
+        "write the same checkpoints. Pick a backend that spreads the job over the processes: "
+        "'ddp' (or 'auto', which picks it under a launcher), 'fsdp', or a plugin's sharded "
+        "backend (`accelkit env` lists them). Or launch one process: python train.py."
+    )
 
 
 def describe(name: str, config: Any = None, **options: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -106,6 +107,8 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     atexit.register(_leave_group_at_exit)
+    if dist.get_world_size() > 1:
+        report_failures_once()
     log.debug(
         "joined process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend
     )
@@ -322,3 +325,97 @@ def all_gather(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     _collective("all_gather", dist.all_gather, parts, tensor.contiguous(), group=group)
     return torch.stack(parts)
+
+
+def refuse_different(value: str, what: str, fix: str, error: type[Exception]) -> None:
+    """Raise ``error`` on every rank alike when the ranks passed different ``value``s for
+    ``what`` (a path built per process: ``tempfile.mkdtemp()``, a timestamp, a PID). One small
+    all-gather; a later check would see only its consequence (a directory a rank cannot see)."""
+    if not _multi():
+        return
+    values = all_gather_object(value)
+    if len(set(values)) == 1:
+        return
+    shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values[:4]))
+    more = f" (and {len(values) - 4} more ranks)" if len(values) > 4 else ""
+    raise_agreed(error(f"the ranks passed different {what}: {shown}{more}. {fix}"))
+
+
+def raise_agreed(err: BaseException) -> None:
+    """Raise ``err``, marked as raised by every rank alike (so one of them reports it)."""
+    err.agreed = True  # type: ignore[attr-defined]
+    raise err
+
+
+# ---- one traceback per failed job ------------------------------------------------------------
+#: how many ranks have raised out of the script so far (a counter in the group's store)
+_FAILED_KEY = "accelkit/failed"
+#: "rank\nsummary" of the rank that reports the failure, set once it has printed
+_REPORTED_KEY = "accelkit/reported"
+#: how long a rank that leaves the report to another waits for it before printing its own
+REPORT_WAIT_S = 10.0
+
+
+def report_failures_once() -> None:
+    """Make an exception that ends the script print one traceback for the job, not one per rank.
+
+    An error every rank raises alike (accelkit's agreed errors: a save that failed anywhere
+    fails everywhere) is printed by rank 0; any other by the first rank that fails. The other
+    ranks print nothing when their error reads the same, else one line naming it; a rank whose
+    reporter does not confirm within :data:`REPORT_WAIT_S` prints its own traceback. Installed
+    when accelkit joins a group of several processes; ``ACCELKIT_EVERY_TRACEBACK=1`` keeps one
+    traceback per rank."""
+    if os.environ.get("ACCELKIT_EVERY_TRACEBACK") == "1" or getattr(
+        sys.excepthook, "_accelkit_once", False
+    ):
+        return
+    previous = sys.excepthook  # torch's, which prefixes each line with [rankN]
+
+    def excepthook(kind: Any, value: BaseException, tb: Any) -> None:
+        try:
+            rank, summary = dist.get_rank(), _summary(value)
+            reporter = _reporter(rank, value)
+        except Exception:  # no group or no store any more: every rank reports for itself
+            previous(kind, value, tb)
+            return
+        if reporter:
+            previous(kind, value, tb)
+            with contextlib.suppress(Exception):
+                _store().set(_REPORTED_KEY, f"{rank}\n{summary}")
+            return
+        first = _reported()
+        if first is None:
+            previous(kind, value, tb)
+            return
+        first_rank, _, first_summary = first.partition("\n")
+        if first_summary != summary:
+            sys.stderr.write(
+                f"[rank{rank}]: {summary} (rank {first_rank} failed first: its traceback is "
+                "printed; ACCELKIT_EVERY_TRACEBACK=1 prints every rank's)\n"
+            )
+            sys.stderr.flush()
+
+    excepthook._accelkit_once = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+def _summary(value: BaseException) -> str:
+    lines = str(value).strip().splitlines()
+    return f"{type(value).__name__}: {lines[0][:500] if lines else ''}"
+
+
+def _reporter(rank: int, value: BaseException) -> bool:
+    """Whether this rank prints the job's traceback."""
+    if getattr(value, "agreed", False):  # raised by every rank alike
+        return rank == 0
+    return _store().add(_FAILED_KEY, 1) == 1
+
+
+def _reported() -> str | None:
+    """What the reporting rank printed, once it has; None when it did not say in time."""
+    store = _store()
+    try:
+        store.wait([_REPORTED_KEY], datetime.timedelta(seconds=REPORT_WAIT_S))
+        return store.get(_REPORTED_KEY).decode(errors="replace")
+    except Exception:
+        return None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from accelkit.errors import UnsupportedError
+from accelkit.errors import ConfigError, UnsupportedError
 
 if TYPE_CHECKING:
     from accelkit.backend import Backend
@@ -273,3 +273,96 @@ def guard_scheduler_step(scheduler: LRScheduler) -> Any:
     scheduler.state_dict = state_dict
     scheduler.load_state_dict = load_state_dict
     return real_step
+
+
+# ---- what a first run gets wrong: the error or the log line that says what to do ----------
+def check_setup_arguments(model_was_set_up: bool, optimizers: tuple[Any, ...]) -> None:
+    """Refuse a model that was set up already, and what is not a fresh torch optimizer where
+    the optimizers belong (a scheduler: say where it goes)."""
+    if model_was_set_up:
+        raise ConfigError(
+            "this model was already set up (setup() was called with it before, or it is the "
+            "model setup() returned): wrapping it again would sync, shard or cast it twice. "
+            "Call setup() once per model, with all of its optimizers, "
+            "`model, opt_a, opt_b = accel.setup(model, opt_a, opt_b)`, and keep using what "
+            "it returned; after accel.free_memory() a model may be set up again."
+        )
+    for opt in optimizers:
+        if isinstance(opt, AcceleratedOptimizer):
+            raise ConfigError("this optimizer was already set up; pass the original one")
+        if is_scheduler(opt):
+            raise ConfigError(
+                f"setup() takes the model and its optimizers; {type(opt).__name__} is an LR "
+                "scheduler. Hand it over after setup, `sched = accel.setup_scheduler(sched)` "
+                "(it may be built on the optimizer setup() returned), or pass it by name: "
+                "`accel.setup(model, opt, scheduler=sched)`."
+            )
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"setup() takes torch optimizers, got {type(opt).__name__}")
+
+
+def is_scheduler(obj: Any) -> bool:
+    """An LR scheduler (torch's, or one shaped like it), given where an optimizer belongs."""
+    if isinstance(
+        obj, torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
+    ):
+        return True
+    return (
+        not isinstance(obj, torch.optim.Optimizer)
+        and hasattr(obj, "optimizer")
+        and hasattr(obj, "get_last_lr")
+    )
+
+
+def own_optimizer(optimizer: Any, returned: list[Any], given: list[Any]) -> Any:
+    """``optimizer`` if it is one of those ``setup`` ``returned``, else an error that says
+    which to pass (``given``: the ones handed to ``setup``)."""
+    if any(optimizer is o for o in returned):
+        return optimizer
+    if any(optimizer is o for o in given) or any(optimizer is o.optimizer for o in returned):
+        raise UnsupportedError(
+            "this is the optimizer given to setup(); pass the one setup() returned "
+            "(`model, opt = accel.setup(model, opt)`), which steps through the backend"
+        )
+    raise UnsupportedError(
+        f"this {type(optimizer).__name__} was never set up: accel.step()/zero_grad() step "
+        "only optimizers that setup() returned. Pass it to setup() with its model, "
+        "`model, opt = accel.setup(model, opt)`, and use the optimizer it returns."
+    )
+
+
+def learning_rates(state: dict[str, Any]) -> dict[str, list[Any]]:
+    """Each optimizer's learning rate per param group, by its name in ``state``."""
+    return {
+        name: [group.get("lr") for group in obj.param_groups]
+        for name, obj in state.items()
+        if isinstance(obj, torch.optim.Optimizer)
+    }
+
+
+def say_which_learning_rate_won(
+    before: dict[str, list[Any]], after: dict[str, list[Any]], path: Any
+) -> None:
+    """A resume keeps the checkpoint's learning rate, as every torch optimizer's
+    ``load_state_dict`` does; when it differs from the one the script built, say so and how to
+    choose the new one instead."""
+    for name, built in before.items():
+        loaded = after.get(name, built)
+        changed = [(i, b, a) for i, (b, a) in enumerate(zip(built, loaded)) if b != a]
+        if not changed:
+            continue
+        i, was, now = changed[0]
+        log.warning(
+            "resumed %r from %s with the checkpoint's learning rate %s (param group %d%s), not "
+            "the %s it was built with: a resume continues the saved run and its schedule. To "
+            "train at the new rate, set it after load: `for group in %s.param_groups: "
+            'group["lr"] = %s` (and build or leave out the scheduler to match).',
+            name,
+            path,
+            now,
+            i,
+            f" and {len(changed) - 1} more" if len(changed) > 1 else "",
+            was,
+            name,
+            was,
+        )

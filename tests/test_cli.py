@@ -423,7 +423,7 @@ def test_demo_refuses_a_single_process_backend_on_two_processes(tmp_path):
         "demo", "--backend", "cpu", "--nproc", "2", "--steps", "2", "--out", str(tmp_path)
     )
     assert out.returncode != 0
-    assert "choose a distributed backend" in out.stderr
+    assert "launched on 2 processes" in out.stderr and "'ddp'" in out.stderr
 
 
 def test_demo_unknown_backend_fails_with_the_registered_names(tmp_path):

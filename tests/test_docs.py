@@ -6,6 +6,7 @@ not show when the page is rendered)::
     <!-- doc-test: skip -->                 not run (a fragment, or needs what CI lacks)
     <!-- doc-test: requires=cuda,deepspeed --> run only if CUDA / these modules are present
     <!-- doc-test: nproc=2 -->              run on 2 processes with torch.distributed.run (gloo)
+    <!-- doc-test: nproc=2 argv=fsdp|ddp --> ...once per value, given as the script's argument
     <!-- doc-test: timeout=300 -->          seconds before the block counts as hung (default 180)
     <!-- doc-test: slow -->                 marked slow: out of the default test run (as nproc>1 is)
 
@@ -13,8 +14,9 @@ Options combine (``<!-- doc-test: nproc=2 timeout=300 -->``); ``<!-- skip-test -
 as a synonym of ``skip``. Each block is self-contained: it runs in a new temporary directory with
 no state from the blocks before it. A page whose examples build on each other carries the line
 ``<!-- doc-test: session -->`` (anywhere outside a fence): its blocks then run in order, in one
-interpreter, as one test. A failure names the file and the line of the block, and the line
-numbers of a traceback are the page's own.
+interpreter, as one test; a block of a session page marked ``nproc=N`` runs there too, and also
+alone on N processes (a script the page says runs under ``accelkit run``). A failure names the
+file and the line of the block, and the line numbers of a traceback are the page's own.
 """
 
 from __future__ import annotations
@@ -52,10 +54,17 @@ class DocBlock:
     session: bool = False
     #: marked ``slow`` (``<!-- doc-test: slow -->``), like every nproc > 1 block
     slow: bool = False
+    #: the script's argument, one run per value (``argv=fsdp|ddp``); a run has one at most
+    argv: tuple[str, ...] = ()
 
     @property
     def where(self) -> str:
         return f"{_display(self.path)}:{self.line}"
+
+    @property
+    def label(self) -> str:
+        """The test's id: where, and the script's arguments when it has some."""
+        return f"{self.where} {' '.join(self.argv)}".strip()
 
 
 def _display(path: Path) -> str:
@@ -79,6 +88,8 @@ def parse_marker(text: str, where: str) -> dict:
             options[key] = True
         elif key == "requires" and value:
             options["requires"] = tuple(v for v in value.split(",") if v)
+        elif key == "argv" and value:
+            options["argv"] = tuple(value.split("|"))
         elif key in ("nproc", "timeout") and value.isdigit():
             options[key] = int(value)
         else:
@@ -140,8 +151,6 @@ def session_block(blocks: list[DocBlock]) -> DocBlock:
     """
     runnable = [b for b in blocks if not b.skip]
     first = blocks[0]
-    if any(b.nproc != 1 for b in runnable):
-        raise ValueError(f"{first.where}: a doc-test session runs in one process (no nproc)")
     lines = []
     for block in runnable:
         source = "\n" * (block.line) + block.code
@@ -205,9 +214,10 @@ def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
             f"--nproc-per-node={block.nproc}",
             f"--master-port={_free_port()}",
             str(script),
+            *block.argv,
         ]
     else:
-        command = [sys.executable, str(script)]
+        command = [sys.executable, str(script), *block.argv]
     return subprocess.run(
         command,
         cwd=workdir,
@@ -226,9 +236,19 @@ def _runs() -> list[DocBlock]:
         blocks = extract_blocks(page)
         if blocks and blocks[0].session:
             runs.append(session_block(blocks))
+            for block in blocks:  # a script the page says runs on N processes: there, alone
+                if block.nproc > 1 and not block.skip:
+                    runs.extend(_each_argv(dataclasses.replace(block, session=False)))
         else:
-            runs.extend(blocks)
+            runs.extend(run for block in blocks for run in _each_argv(block))
     return runs
+
+
+def _each_argv(block: DocBlock) -> list[DocBlock]:
+    """One run per value of the block's ``argv``."""
+    if len(block.argv) <= 1:
+        return [block]
+    return [dataclasses.replace(block, argv=(value,)) for value in block.argv]
 
 
 def _params() -> list:
@@ -239,7 +259,7 @@ def _params() -> list:
             marks.append(pytest.mark.skip(reason="marked doc-test: skip"))
         if block.nproc > 1 or block.slow:
             marks.append(pytest.mark.slow)
-        params.append(pytest.param(block, id=block.where, marks=marks))
+        params.append(pytest.param(block, id=block.label, marks=marks))
     return params
 
 

@@ -91,3 +91,78 @@ def test_zero2_on_two_ranks_exports_what_it_trained(tmp_path):
     out = tmp_path / "hf"
     _export(tmp_path / "ck", out, "--max-shard-size", "200KB")
     assert torch.equal(_exported_logits(out), _reference_logits(ranks[0], tmp_path))
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelkit.cli", "convert", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def test_a_transformers_model_exports_with_the_config_its_save_stored(tmp_path):
+    """No --config: the save of a Transformers model stored its config, and the export writes
+    it, so from_pretrained opens the folder as is."""
+    weights = train_and_save(str(tmp_path / "ck"))
+    result = _convert(tmp_path / "ck", tmp_path / "hf", "--to", "hf")
+    assert result.returncode == 0, result.stderr[-2000:]
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: written[k] for k in ("model_type", "n_layer", "n_embd", "vocab_size")} == {
+        "model_type": "gpt2",
+        **{k: make_config().to_dict()[k] for k in ("n_layer", "n_embd", "vocab_size")},
+    }
+    assert torch.equal(_exported_logits(tmp_path / "hf"), _reference_logits(weights, tmp_path))
+
+
+class Head(torch.nn.Module):
+    """No Transformers config of its own: the export finds none in the checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+
+def test_a_model_loaded_with_load_pretrained_exports_the_config_beside_its_source(tmp_path):
+    from safetensors.torch import save_file
+
+    import accelkit
+
+    source = tmp_path / "source"
+    source.mkdir()
+    save_file(
+        {"proj.weight": torch.ones(3, 4), "proj.bias": torch.zeros(3)}, source / "model.safetensors"
+    )
+    (source / "config.json").write_text('{"model_type": "head", "width": 4}')
+    accel = accelkit.get("cpu")
+    model = accel.setup(Head())
+    accel.load_pretrained(model, source)
+    accel.save(tmp_path / "ck", {"model": model})
+    result = _convert(tmp_path / "ck", tmp_path / "hf", "--to", "hf")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {
+        "model_type": "head",
+        "width": 4,
+    }
+
+
+def test_an_export_without_a_config_anywhere_is_refused_until_asked_for(tmp_path):
+    """The negative twin: no config stored, none beside a source: refused, nothing written;
+    --no-config writes the weights alone; --config DIR supplies one."""
+    import accelkit
+
+    accel = accelkit.get("cpu")
+    accel.save(tmp_path / "ck", {"model": accel.setup(Head())})
+    result = _convert(tmp_path / "ck", tmp_path / "hf", "--to", "hf")
+    assert result.returncode == 1
+    assert "no model config" in result.stderr and "--config DIR" in result.stderr
+    assert "--no-config" in result.stderr
+    assert not (tmp_path / "hf").exists()
+
+    assert _convert(tmp_path / "ck", tmp_path / "bare", "--to", "hf", "--no-config").returncode == 0
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == ["model.safetensors"]
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text('{"given": true}')
+    result = _convert(
+        tmp_path / "ck", tmp_path / "given", "--to", "hf", "--config", tmp_path / "cfg"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "given" / "config.json").read_text()) == {"given": True}

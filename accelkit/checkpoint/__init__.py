@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from accelkit.backend import set_checkpoint_defaults
-from accelkit.checkpoint import dense, objectstore, storage, writer
+from accelkit.checkpoint import dense, objectstore, progress, storage, writer
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint.fqn import canonical_fqn
@@ -352,7 +352,13 @@ def _commit(
     reader.trust_verified()  # the validate phase checked every fragment (or verify=False)
     with profile.phase("fill"):
         if tensor_state:
-            backend.load_fragments(reader, tensor_state)
+            bar = progress.rank_zero_bar(
+                progress.read_estimate(backend, reader, tensor_state),
+                backend.rank,
+                f"loading {reader.directory.name}",
+            )
+            with progress.counting_reads(reader, bar):
+                backend.load_fragments(reader, tensor_state)
         reader.finish()
     with profile.phase("restore"):
         return _restore(backend, reader, state, sections, objects, rng=rng)

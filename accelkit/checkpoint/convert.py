@@ -140,7 +140,7 @@ def convert(
     to: str | None = None,
     max_shard_bytes: int | None = None,
     dtype: torch.dtype | None = None,
-    config: str | os.PathLike | None = None,
+    config: str | os.PathLike | bool | None = None,
     optimizer: str | bool | None = None,
 ) -> Path:
     """Convert ``src`` to ``dst``: a portable checkpoint into one file, or any importable

@@ -4,6 +4,7 @@ backend is named: any DTensor works."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -47,12 +48,15 @@ def flat_range(
 def _first_of_other_dims(mesh: Any) -> bool:
     """On an N-D mesh a DTensor may live on a slice of it (FSDP2's data-parallel dimensions,
     without ``tp``): the slices hold the same pieces, so only the first slice writes them."""
-    try:
-        from torch.distributed.device_mesh import _mesh_resources
+    root_of = getattr(mesh, "_get_root_mesh", None)  # the mesh's own (newer torch)
+    if root_of is None:  # older torch: the module-level registry, deprecated since
+        try:
+            from torch.distributed.device_mesh import _mesh_resources
 
-        root = _mesh_resources.get_root_mesh(mesh)
-    except (ImportError, AttributeError):  # pragma: no cover - older torch
-        return True
+            root_of = functools.partial(_mesh_resources.get_root_mesh, mesh)
+        except (ImportError, AttributeError):  # pragma: no cover - older torch
+            return True
+    root = root_of()
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh or not names or not root_names or not set(names) <= set(root_names):
         return True

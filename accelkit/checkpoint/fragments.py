@@ -13,6 +13,7 @@ process, or replicas under data parallelism) and DTensor parameters, without nam
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -429,9 +430,44 @@ def qualname(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+#: the attribute :meth:`Accelerator.load_pretrained` leaves on the user's module: the directory
+#: of the pretrained source, recorded by :func:`module_info` (``accelkit convert --to hf`` looks
+#: there for a ``config.json``)
+PRETRAINED_FROM = "_accelkit_pretrained_from"
+
+
+def _as_save_pretrained_writes(module: torch.nn.Module, config: Any) -> dict[str, Any]:
+    """The ``config.json`` that ``save_pretrained`` writes: the values that differ from the
+    config class's defaults, no private keys, the model's class as its architecture and the
+    dtype of its weights (``from_pretrained`` then builds the model the same way)."""
+    data = {k: v for k, v in json.loads(config.to_json_string()).items() if not k.startswith("_")}
+    if not data.get("architectures"):
+        data["architectures"] = [type(module).__name__]
+    if data.get("torch_dtype") is None:
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+        if dtype is not None:
+            data["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return data
+
+
 def module_info(name: str, module: torch.nn.Module) -> ObjectInfo:
-    """The manifest record of module object ``name`` (every writer records a module so)."""
-    return ObjectInfo(name, {"type": "module", "class": qualname(module)})
+    """The manifest record of module object ``name`` (every writer records a module so).
+
+    A model with a Hugging Face-style ``config`` (one with ``to_json_string``: Transformers'
+    ``PretrainedConfig``) records it as ``hf_config``, and a model filled by ``load_pretrained``
+    records where from (``pretrained_from``): ``accelkit convert --to hf`` writes the
+    ``config.json`` that ``from_pretrained`` needs from either."""
+    info: dict[str, Any] = {"type": "module", "class": qualname(module)}
+    config = getattr(module, "config", None)
+    if callable(getattr(config, "to_json_string", None)):
+        try:
+            info["hf_config"] = _as_save_pretrained_writes(module, config)
+        except (TypeError, ValueError) as err:  # a config JSON cannot hold: export asks for one
+            log.debug("the model's config is not stored: %s", err)
+    source = module.__dict__.get(PRETRAINED_FROM)
+    if isinstance(source, str):
+        info["pretrained_from"] = source
+    return ObjectInfo(name, info)
 
 
 # ---- the default reader -----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from accelkit import distributed
-from accelkit.checkpoint import background, commit, storage
+from accelkit.checkpoint import background, commit, progress, storage
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import rng as rng_io
 from accelkit.checkpoint.codec import drop_callables, encode
@@ -53,6 +53,14 @@ from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, write_file
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
+
+#: the fix when the ranks name different directories
+_SAME_PATH = (
+    "save() is collective: every rank writes its part into one directory, so every rank must "
+    "pass the same path. A path made per process differs on each (tempfile.mkdtemp(), a "
+    "timestamp, a PID): make it on rank 0 and share it, `path = accel.broadcast(path)`, or use "
+    "a fixed path."
+)
 
 #: writer threads of an asynchronous save (a synchronous one uses up to 8)
 ASYNC_WRITERS = 2
@@ -243,10 +251,14 @@ def _write_planned(
         # beside a training loop: two threads at a lower priority keep up with the disk, and
         # leave the loop its CPU and its GIL (eight made a launch-bound step 10% slower)
         workers, initializer = min(workers, ASYNC_WRITERS), _lower_priority
+    bar = progress.rank_zero_bar(
+        sum(t.numel() * t.element_size() for _, t in to_write), rank, f"saving {path.name}"
+    )
     with ThreadPoolExecutor(max_workers=workers, initializer=initializer) as pool:
         digests = write_file(
-            written, to_write, metadata, pool=pool, checksum=checksum, profile=profile
+            written, to_write, metadata, pool=pool, checksum=checksum, profile=profile, progress=bar
         )
+    progress.close(bar)
     return _complete(record, digests, checksum, written, file_path)
 
 
@@ -436,6 +448,9 @@ def save(
     # what the manifest records of the Accelerator, as of now (the commit may run later)
     counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
 
+    distributed.refuse_different(
+        str(path), "checkpoint paths to save()", _SAME_PATH, CheckpointError
+    )
     token, error = None, None
     with profile.phase("prepare"):
         if rank == 0:

@@ -59,8 +59,19 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="--to hf: cast floating-point weights (default: as stored)",
     )
-    parser.add_argument(
-        "--config", default=None, help="--to hf: a config.json (or its directory) to copy beside"
+    config = parser.add_mutually_exclusive_group()
+    config.add_argument(
+        "--config",
+        default=None,
+        help="--to hf: the config.json (or its folder) to write beside the weights; default: "
+        "the one the checkpoint stored (a Transformers model's), else the one beside the "
+        "pretrained source it was loaded from",
+    )
+    config.add_argument(
+        "--no-config",
+        dest="config",
+        action="store_false",
+        help="--to hf: write the weights without a config.json",
     )
     parser.add_argument("--object", default=None, help="which module of the checkpoint to export")
     parser.add_argument(

@@ -86,6 +86,8 @@ def _module_folders(target: str, path: Iterable[str | os.PathLike] = ()) -> list
 def _rank_env(target: str, path: Iterable[str | os.PathLike], extra: dict[str, str] | None):
     env = worker_env(extra)
     env[PATH_ENV] = os.pathsep.join(_module_folders(target, path))
+    # a failure shows each rank's stderr tail: each rank's own traceback belongs in it
+    env.setdefault("ACCELKIT_EVERY_TRACEBACK", "1")
     return env
 
 

@@ -23,13 +23,15 @@ def export_hf(
     obj: str | None = None,
     max_shard_bytes: int = 5 * 10**9,
     dtype: torch.dtype | None = None,
-    config: str | os.PathLike | None = None,
+    config: str | os.PathLike | bool | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Write module ``obj`` of checkpoint ``src`` as Hugging Face's layout in directory ``dst``:
     ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
-    ``model.safetensors.index.json``; ``dtype`` casts floating-point tensors; ``config`` (a
-    ``config.json`` or a directory holding one) is copied beside them, for ``from_pretrained``.
+    ``model.safetensors.index.json``; ``dtype`` casts floating-point tensors. ``config.json``,
+    which ``from_pretrained`` needs, comes from ``config`` (a ``config.json`` or a directory
+    holding one), else from the checkpoint (:func:`find_config`); ``config=False`` writes the
+    weights alone.
     Streamed tensor by tensor: peak memory is one tensor. Tied names are written once (the
     loading model ties them again), as ``save_pretrained`` does."""
     import json
@@ -40,6 +42,7 @@ def export_hf(
         raise CheckpointError(f"{dst} exists and is not empty; export into a new directory")
     with CheckpointReader(src) as reader:
         obj = module_object(reader, obj)
+        config_text = _config_text(reader, obj, config)
         entries = [e for e in reader.entries(obj) if e.kind in ("param", "buffer")]
 
         def out_dtype(entry: Any) -> torch.dtype:
@@ -87,10 +90,8 @@ def export_hf(
             if len(shards) > 1:
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-            if config is not None:
-                config = Path(config)
-                config = config / "config.json" if config.is_dir() else config
-                shutil.copy(config, tmp / "config.json")
+            if config_text is not None:
+                (tmp / "config.json").write_text(config_text)
             if dst.exists():
                 dst.rmdir()
             os.rename(tmp, dst)
@@ -99,3 +100,40 @@ def export_hf(
             if bar is not None:
                 bar.close()
     return dst
+
+
+def find_config(reader: CheckpointReader, obj: str) -> str | None:
+    """The ``config.json`` text of module ``obj``: the Hugging Face config the save stored
+    (``hf_config``), else the ``config.json`` beside the pretrained source it was loaded from
+    (``pretrained_from``); None when neither is there."""
+    import json
+
+    info = reader.manifest.objects.get(obj, {})
+    if isinstance(info.get("hf_config"), dict):
+        return json.dumps(info["hf_config"], indent=2, sort_keys=True) + "\n"
+    source = info.get("pretrained_from")
+    if isinstance(source, str) and (Path(source) / "config.json").is_file():
+        return (Path(source) / "config.json").read_text()
+    return None
+
+
+def _config_text(reader: CheckpointReader, obj: str, config: Any) -> str | None:
+    """What goes into the export's ``config.json`` (None: nothing, as ``config=False`` asks)."""
+    if config is False:
+        return None
+    if config is not None and config is not True:
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise CheckpointError(f"--config {config}: no config.json there")
+        return path.read_text()
+    found = find_config(reader, obj)
+    if found is None:
+        raise CheckpointError(
+            f"{reader.directory}: the checkpoint holds no model config for {obj!r} (the model was "
+            "not a Transformers model, nor loaded with load_pretrained from a folder with a "
+            "config.json), and from_pretrained cannot open weights without one. Pass "
+            "--config DIR (the pretrained model's folder, or any folder or file with its "
+            "config.json), or --no-config to write the weights alone."
+        )
+    return found

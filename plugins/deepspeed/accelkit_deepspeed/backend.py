@@ -181,6 +181,10 @@ class DeepSpeedBackend(DistributedBackend):
         deepspeed = self._import_deepspeed()
         from deepspeed.accelerator import get_accelerator
 
+        from accelkit_deepspeed import native_check
+
+        native_check.check(f"backend {self.name!r}", self.options.ds_config)
+
         accelerator = get_accelerator()
         if accelerator.device_name() != self._device.type:
             raise ConfigError(
