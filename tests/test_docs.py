@@ -361,6 +361,37 @@ def test_a_session_page_runs_in_order_and_names_the_failing_line(tmp_path: Path)
     assert f'File "{page}", line 5' in result.stderr
 
 
+def test_a_session_script_marked_nproc_also_runs_alone_once_per_argv(tmp_path: Path) -> None:
+    page = tmp_path / "docs" / "recipe.md"
+    page.parent.mkdir()
+    page.write_text(
+        "<!-- doc-test: session -->\n"
+        "<!-- doc-test: nproc=2 argv=fsdp|ddp -->\n"
+        "```python\n"
+        "import sys\n"
+        "backend = sys.argv[1] if len(sys.argv) > 1 else 'cpu'\n"
+        "```\n"
+        "```python\n"
+        "print('then', backend)\n"
+        "```\n",
+        encoding="utf-8",
+    )
+    blocks = extract_blocks(page)
+    assert blocks[0].argv == ("fsdp", "ddp") and blocks[0].nproc == 2
+    session = session_block(blocks)  # the page in one process, the marked block included
+    assert session.nproc == 1 and "backend = sys.argv" in session.code
+    alone = [run for block in blocks if block.nproc > 1 for run in _each_argv(block)]
+    assert [(run.argv, run.nproc, run.label.split()[-1]) for run in alone] == [
+        (("fsdp",), 2, "fsdp"),
+        (("ddp",), 2, "ddp"),
+    ]
+    work = tmp_path / "work"
+    work.mkdir()
+    single = dataclasses.replace(alone[1], nproc=1, code=alone[1].code + "print(backend)\n")
+    result = run_block(single, work)  # the argument reaches the script
+    assert result.returncode == 0 and result.stdout.strip() == "ddp", result.stderr
+
+
 def test_the_docs_have_examples_and_the_plugin_example_is_run() -> None:
     blocks = all_blocks()
     pages = {b.path.relative_to(DOCS).as_posix() for b in blocks if not b.skip}
