@@ -73,10 +73,10 @@ for p in "$@"; do
       # every GPU test that has no part of its own (those parts follow the list in OWN_PARTS),
       # the ten slowest printed, and a summary line inside the timeout
       part tests
-      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu -o addopts="" --timeout 120 \
+      ACCELKIT_GPU_REPORT="$OUTDIR" timeout 300 python3 -m pytest -q -rA -p no:cacheprovider -m gpu -o addopts="" --timeout 120 \
         --durations=10 "${OWN_PARTS[@]}" tests plugins > "$OUTDIR/gpu-tests.log" 2>&1
       echo "tests: exit $?"
-      grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" "$OUTDIR/gpu-tests.log" | tail -40 ;;
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" "$OUTDIR/gpu-tests.log" | tail -50 ;;
     overhead)
       part overhead
       python3 bench/overhead.py --device cuda --model mlp --repeats 7 --out "$OUTDIR/overhead-mlp.json" 2>&1 | tail -15 | tee "$OUTDIR/overhead.log"
