@@ -759,3 +759,254 @@ def test_the_tta_comparison_can_tell_tta_from_none(tta_runs: Path) -> None:
     """Precondition of the test above: averaging the views changes the metric here."""
     assert _metric(tta_runs, "ref_tta_cfg") == _metric(tta_runs, "ref_tta_hook")
     assert _metric(tta_runs, "ref_tta_cfg") != _metric(tta_runs, "ref_plain")
+
+
+# ---- the differential tier: each scenario under MMEngine's runners and under accelkit's -------
+INFER_DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from mmengine.infer import BaseInferencer
+
+    class TinyInferencer(BaseInferencer):
+        def _init_pipeline(self, cfg):
+            return lambda sample: sample
+
+        def visualize(self, inputs, preds, **kwargs):
+            return None
+
+        def postprocess(self, preds, visualization, return_datasample=False, **kwargs):
+            return dict(predictions=[p.tolist() for p, _ in preds])
+
+    inferencer = TinyInferencer(model=sys.argv[1], weights=sys.argv[2], device="cpu")
+    g = torch.Generator().manual_seed(5)
+    inputs = [dict(x=torch.randn(8, generator=g), y=torch.tensor(0)) for _ in range(6)]
+    result = inferencer(inputs, batch_size=3)
+    with open(sys.argv[3], "w") as f:
+        json.dump(result["predictions"], f)
+    """
+)
+
+#: keys of the log processor's scalars that measure time, not training
+_TIMING = {"time", "data_time", "memory", "eta"}
+
+
+def _scalars(root: Path, name: str) -> list[dict]:
+    (path,) = (root / name).glob("*/vis_data/scalars.json")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in _TIMING} for line in lines]
+
+
+def _infer(root: Path, checkpoint: Path, out: str, env: dict | None = None) -> list:
+    proc = subprocess.run(
+        [sys.executable, str(root / "infer_driver.py"), "tiny_config.py", str(checkpoint), out],
+        cwd=root,
+        env=_env(root, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"inferencer failed:\n{proc.stderr[-4000:]}")
+    return json.loads((root / out).read_text())
+
+
+@pytest.fixture(scope="module")
+def differential(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each scenario under MMEngine's Runner / FlexibleRunner (default strategy) and under
+    AccelkitRunner / FlexibleRunner with AccelkitStrategy (cpu), then plain MMEngine resuming
+    and testing from the accelkit run's checkpoint directories."""
+    root = tmp_path_factory.mktemp("toolchain_differential")
+    _write_project(root)
+    (root / "infer_driver.py").write_text(INFER_DRIVER)
+    scenarios = {
+        "plain": {},
+        "ema": dict(ema=True),
+        "counting": dict(optim_type="CountingOptimWrapper"),
+    }
+    reference = [dict(name=f"mm_{n}", work_dir=f"mm_{n}", kw=kw) for n, kw in scenarios.items()]
+    reference.append(dict(name="mm_flex", work_dir="mm_flex", runner="flexible"))
+    _run(root, "reference_driver.py", reference)
+    ours = [dict(name=f"ak_{n}", work_dir=f"ak_{n}", kw=kw) for n, kw in scenarios.items()]
+    ours.append(dict(name="ak_flex", work_dir="ak_flex", runner="flexible"))
+    for spec in ours:
+        spec["accelkit"] = dict(backend="cpu")
+    _run(root, "accelkit_driver.py", ours)
+    # the toolchain: plain MMEngine, the config's custom_imports naming accelkit's adapter
+    tools = [
+        dict(
+            name="mm_resumes_ak",
+            work_dir="mm_resumes_ak",
+            kw=dict(load_from=str(root / "ak_plain" / "epoch_1.pth"), resume=True),
+        ),
+        dict(
+            name="mm_tests_ak",
+            work_dir="mm_tests_ak",
+            kw=dict(load_from=str(root / "ak_plain" / "epoch_2.pth")),
+            mode="test",
+        ),
+        dict(
+            name="mm_tests_mm",
+            work_dir="mm_tests_mm",
+            kw=dict(load_from=str(root / "mm_plain" / "epoch_2.pth")),
+            mode="test",
+        ),
+    ]
+    (root / "tools_driver.py").write_text(
+        "import accelkit.integrations.mmengine  # what the config's custom_imports does\n"
+        + REFERENCE_DRIVER
+    )
+    # MMEngine's own .pth needs this on torch >= 2.6 (its load_from_local calls torch.load
+    # with torch's weights_only default); accelkit's directory does not
+    _run(root, "tools_driver.py", tools, env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    return root
+
+
+def _theirs_and_ours(root: Path, scenario: str) -> tuple[dict, dict]:
+    """The epoch-2 checkpoint of each side as MMEngine's readers return it."""
+    import torch
+    from mmengine.runner.checkpoint import _load_checkpoint
+
+    import accelkit.integrations.mmengine  # noqa: F401  registers the loader, as custom_imports
+
+    theirs = torch.load(root / f"mm_{scenario}" / "epoch_2.pth", weights_only=False)
+    ours = _load_checkpoint(str(root / f"ak_{scenario}" / "epoch_2.pth"), map_location="cpu")
+    return theirs, ours
+
+
+def _same_nested(ours, theirs, where: str = "") -> None:
+    import numpy as np
+    import torch
+
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), where
+    elif isinstance(theirs, dict):
+        assert sorted(ours, key=str) == sorted(theirs, key=str), where
+        for key in theirs:
+            _same_nested(ours[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _same_nested(a, b, f"{where}[{i}]")
+    elif isinstance(theirs, np.ndarray):
+        assert np.array_equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["plain", "ema"])
+def test_checkpoint_reads_as_mmengines_own(differential: Path, scenario: str) -> None:
+    """``_load_checkpoint`` of accelkit's directory against ``torch.load`` of MMEngine's file of
+    the same run: the same keys; weights (and EMA's averaged ones, in MMEngine's swapped
+    layout), optimizer state and scheduler states bit-equal; the message hub's training
+    scalars equal. ``meta`` differs only in what names the run (``cfg`` text, experiment name,
+    time)."""
+    theirs, ours = _theirs_and_ours(differential, scenario)
+    assert sorted(ours) == sorted(theirs)
+    for key in ("state_dict", "optimizer", "param_schedulers", "ema_state_dict"):
+        if key in theirs:
+            _same_nested(ours[key], theirs[key], key)
+    assert ("ema_state_dict" in theirs) == (scenario == "ema")
+    meta_keys = set(theirs["meta"]) - {"time", "cfg", "experiment_name"}  # name the run
+    assert set(ours["meta"]) == set(theirs["meta"])
+    _same_nested({k: ours["meta"][k] for k in meta_keys}, {k: theirs["meta"][k] for k in meta_keys})
+    hub_theirs, hub_ours = theirs["message_hub"], ours["message_hub"]
+    for name in ("train/loss", "train/lr"):
+        _same_nested(hub_ours["log_scalars"][name].data, hub_theirs["log_scalars"][name].data, name)
+    assert set(hub_ours["runtime_info"]) == set(hub_theirs["runtime_info"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["plain", "ema", "counting", "flex"])
+def test_training_is_the_same_under_both_runners(differential: Path, scenario: str) -> None:
+    """Losses, learning rates (the param schedulers), every hook stage in order, the final
+    weights and what the log processor wrote, under MMEngine's runner and accelkit's. The hook
+    list differs in one documented name: AccelkitCheckpointHook where CheckpointHook was."""
+    root = differential
+    theirs, ours = _record(root, f"mm_{scenario}"), _record(root, f"ak_{scenario}")
+    for key in ("loss", "lr", "stages", "updates"):
+        assert ours[key] == theirs[key], key
+    renamed = ["AccelkitCheckpointHook" if h == "CheckpointHook" else h for h in theirs["hooks"]]
+    assert ours["hooks"] == renamed
+    _assert_same_tensors(_weights(root, f"ak_{scenario}"), _weights(root, f"mm_{scenario}"))
+    assert _scalars(root, f"ak_{scenario}") == _scalars(root, f"mm_{scenario}")
+
+
+@pytest.mark.slow
+def test_the_comparison_sees_what_it_compares(differential: Path) -> None:
+    """Preconditions: the scenarios differ where the tests above say they match."""
+    root = differential
+    assert _record(root, "mm_counting")["updates"] == 12
+    assert _weights(root, "mm_plain") != {}
+    assert any(line.get("lr") for line in _scalars(root, "mm_plain"))
+    lrs = _record(root, "mm_plain")["lr"]
+    assert len(set(lrs)) > 2  # warm-up and a milestone: the schedulers moved the rate
+    stages = _record(root, "mm_plain")["stages"]
+    assert stages[0] == "before_run" and stages[-1] == "after_run" and "after_train_iter" in stages
+    theirs, _ = _theirs_and_ours(root, "ema")
+    plain, _ = _theirs_and_ours(root, "plain")
+    assert not plain["state_dict"]["net.0.weight"].equal(theirs["state_dict"]["net.0.weight"])
+
+
+@pytest.mark.slow
+def test_plain_mmengine_resumes_an_accelkit_checkpoint(differential: Path) -> None:
+    """Plain MMEngine's ``resume`` from AccelkitRunner's epoch-1 directory, without a
+    conversion: it continues as the uninterrupted run (optimizer, schedulers, message hub)."""
+    root = differential
+    resumed = _record(root, "mm_resumes_ak")
+    whole = _record(root, "ak_plain")
+    assert resumed["loss"] == whole["loss"][len(whole["loss"]) - len(resumed["loss"]) :]
+    assert len(resumed["loss"]) == len(whole["loss"]) // 2
+    _assert_same_tensors(_weights(root, "mm_resumes_ak"), _weights(root, "ak_plain"))
+
+
+@pytest.mark.slow
+def test_plain_mmengine_tests_from_an_accelkit_checkpoint(differential: Path) -> None:
+    """``load_from`` in plain MMEngine's config (``tools/test.py CONFIG CHECKPOINT``): the same
+    metric as testing MMEngine's own checkpoint of the same run."""
+    root = differential
+    assert _metric(root, "mm_tests_ak") == _metric(root, "mm_tests_mm")
+
+
+@pytest.mark.slow
+def test_an_inferencer_loads_the_runs_checkpoint(differential: Path) -> None:
+    """An MMEngine ``BaseInferencer`` given the config file and accelkit's checkpoint predicts
+    what it predicts from MMEngine's own checkpoint of the same run."""
+    root = differential
+    ours = _infer(root, root / "ak_plain" / "epoch_2.pth", "ours.json")
+    theirs = _infer(
+        root,
+        root / "mm_plain" / "epoch_2.pth",
+        "theirs.json",
+        {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"},
+    )
+    assert ours == theirs and len(ours) == 6
+
+
+# ---- checkpoints of several processes, opened by a one-process tool (slow) ----------------------
+@pytest.fixture(scope="module")
+def distributed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("toolchain_dist")
+    _write_project(root)
+    specs = [
+        dict(name=b, work_dir=b, accelkit=dict(backend=b), kw=dict(launcher="pytorch"))
+        for b in ("ddp", "deepspeed_stage_2")
+    ]
+    _run(root, "accelkit_driver.py", specs, nproc=2)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed_stage_2"])
+def test_a_two_process_checkpoint_opens_in_one_process(
+    distributed_runs: Path, backend: str
+) -> None:
+    """``Config.fromfile`` + ``load_checkpoint`` in one fresh process opens a checkpoint that two
+    ranks wrote: the weights are bit-equal to the trained model's."""
+    root = distributed_runs
+    checkpoint = root / backend / "epoch_2.pth"
+    assert (checkpoint / "rank-00001.safetensors").is_file()
+    loaded = _load_in_fresh_process(root, checkpoint, f"{backend}.pt")
+    _assert_same_tensors(loaded["model"], _weights(root, backend))
+    assert loaded["raw"]["meta"]["epoch"] == 2
