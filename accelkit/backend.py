@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -418,6 +418,34 @@ class Backend:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.precision.load_state_dict(state.get("precision", {}))
+
+    #: what a load at another world size than the save's does with the per-rank states of
+    #: :meth:`rank_state_dict`: ``"refuse"`` fails the load before anything is written (the
+    #: error says to resume at the saved world size), ``"drop"`` skips
+    #: :meth:`load_rank_state_dict` with a warning, ``"merge"`` gives it every saved rank's state
+    rank_state_on_resize: ClassVar[Literal["refuse", "drop", "merge"]] = "refuse"
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """Hook: this rank's own state, which differs from rank to rank (PowerSGD's error
+        feedback, a per-rank counter).
+
+        Runs on every rank in ``accel.save()``; returns what :meth:`state_dict` may return
+        (numbers, strings, lists, dicts, tensors), written to this rank's own file.
+        :meth:`state_dict` is saved from rank 0 only and read back on every rank, so per-rank
+        values belong here. The default, ``{}``, saves nothing."""
+        return {}
+
+    def load_rank_state_dict(
+        self, states: Mapping[int, dict[str, Any]], saved_world_size: int
+    ) -> None:
+        """Hook: restore what :meth:`rank_state_dict` saved.
+
+        Runs on every rank in ``accel.load()``, after :meth:`load_state_dict`, whenever the
+        checkpoint holds per-rank state; it may run before :meth:`setup` (keep the state until
+        the objects it fills exist). At the saved world size ``states`` is ``{self.rank: what
+        this rank saved}`` (empty if it saved nothing). At another world size
+        :attr:`rank_state_on_resize` decides: with ``"merge"``, ``states`` maps every saved rank
+        to its state, each read when first looked up. The default does nothing."""
 
     def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
         """Yield this rank's pieces of model, master and optimizer state (portable checkpoint).

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.3"
+SDK_VERSION = "1.4"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -54,6 +54,8 @@ _SOURCES: dict[str, str] = {
     "device_available": "accelkit.backend_specs",
     "DDPBackend": "accelkit.backends.ddp",
     "DDPOptions": "accelkit.backends.ddp",
+    "DDPWrapOptions": "accelkit.backends.ddp",
+    "CommHookOptions": "accelkit.backends.ddp",
     "DistributedBackend": "accelkit.backends.distributed",
     "DistributedOptions": "accelkit.backends.distributed",
     "ProcessGroupOptions": "accelkit.backends.distributed",
@@ -186,6 +188,8 @@ __all__ = [
     "device_available",
     "DDPBackend",
     "DDPOptions",
+    "DDPWrapOptions",
+    "CommHookOptions",
     "DistributedBackend",
     "DistributedOptions",
     "ProcessGroupOptions",
@@ -300,7 +304,7 @@ __all__ = [
 if TYPE_CHECKING:
     from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
     from accelkit.backend_specs import device_available
-    from accelkit.backends.ddp import DDPBackend, DDPOptions
+    from accelkit.backends.ddp import CommHookOptions, DDPBackend, DDPOptions, DDPWrapOptions
     from accelkit.backends.distributed import (
         DistributedBackend,
         DistributedOptions,

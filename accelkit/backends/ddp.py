@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,14 +18,21 @@ from accelkit.precision import NATIVE_PRECISIONS
 
 
 @dataclass
-class DDPOptions(DistributedOptions):
-    """Options of ``ddp`` (and of backends built on :class:`DDPBackend`)."""
+class DDPWrapOptions(DistributedOptions):
+    """What ``DistributedDataParallel`` is built with: the options a backend built on
+    :class:`DDPBackend` keeps when it offers none of the built-in communication hooks."""
 
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float | None = None
     broadcast_buffers: bool = True
+
+
+@dataclass
+class CommHookOptions:
+    """The built-in gradient communication hooks of :meth:`DDPBackend.on_wrapped`."""
+
     #: gradient communication hook: None, "fp16" / "bf16" (compress to that dtype for the
     #: all-reduce) or "powersgd" (low-rank compression with error feedback; its state is saved)
     comm_hook: Literal["fp16", "bf16", "powersgd"] | None = None
@@ -32,14 +40,26 @@ class DDPOptions(DistributedOptions):
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check_comm_hook_options(self) -> None:
+        """Validate the fields above (a dataclass composing this one calls it in
+        ``__post_init__``)."""
         if self.comm_hook not in (None, "fp16", "bf16", "powersgd"):
             raise ValueError(
                 f"option 'comm_hook' must be None, 'fp16', 'bf16' or 'powersgd', got {self.comm_hook!r}"
             )
         if self.powersgd_rank < 1 or self.powersgd_start_iter < 0:
             raise ValueError("powersgd_rank must be >= 1 and powersgd_start_iter >= 0")
+
+
+@dataclass
+class DDPOptions(DDPWrapOptions, CommHookOptions):
+    """Options of ``ddp`` without fp8: :class:`DDPWrapOptions` and :class:`CommHookOptions`.
+    A backend built on :class:`DDPBackend` extends this one, or :class:`DDPWrapOptions` to
+    offer none of the built-in hooks."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check_comm_hook_options()
 
 
 @dataclass
@@ -59,6 +79,16 @@ class DDPBackend(DistributedBackend, SingleDeviceBackend):
     capabilities = Capabilities(no_sync=True, distributed=True, precisions=NATIVE_PRECISIONS)
     options_class = TorchDDPOptions
 
+    def launch(self) -> None:
+        super().launch()
+        self._powersgd = None
+        if getattr(self.options, "comm_hook", None) == "powersgd":  # before setup: a load may
+            from accelkit.backends.powersgd import PowerSGDKeeper  # come first
+
+            self._powersgd = PowerSGDKeeper(
+                self.options.powersgd_rank, self.options.powersgd_start_iter
+            )
+
     def setup(
         self,
         model: torch.nn.Module,
@@ -68,6 +98,15 @@ class DDPBackend(DistributedBackend, SingleDeviceBackend):
         activation_checkpointing: Any = None,
     ) -> SetupResult:
         model = self.prepare_module(model, activation_checkpointing)
+        ddp = DistributedDataParallel(model, **self.ddp_kwargs())
+        self.on_wrapped(ddp)
+        if compile:
+            ddp.compile(**(compile if isinstance(compile, dict) else {}))
+        return SetupResult(ddp, optimizers)
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """Hook: the keyword arguments of ``DistributedDataParallel``, from the
+        :class:`DDPWrapOptions`. Runs in ``setup``; a subclass adds its own to ``super()``'s."""
         o = self.options
         kwargs: dict[str, Any] = dict(
             find_unused_parameters=o.find_unused_parameters,
@@ -80,11 +119,26 @@ class DDPBackend(DistributedBackend, SingleDeviceBackend):
             kwargs["bucket_cap_mb"] = o.bucket_cap_mb
         if self._device.type == "cuda":
             kwargs["device_ids"] = [self._device.index]
-        ddp = DistributedDataParallel(model, **kwargs)
-        self._register_comm_hook(ddp)
-        if compile:
-            ddp.compile(**(compile if isinstance(compile, dict) else {}))
-        return SetupResult(ddp, optimizers)
+        return kwargs
+
+    def on_wrapped(self, ddp: DistributedDataParallel) -> None:
+        """Hook: runs in ``setup`` once ``DistributedDataParallel`` has wrapped the model, before
+        ``compile``; gets the DDP module, returns nothing. The place to register a gradient
+        communication hook (``ddp.register_comm_hook``). The default registers the built-in
+        hook of the ``comm_hook`` option, where the options have one; a subclass that registers
+        its own does not call it (DDP takes one hook)."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = getattr(self.options, "comm_hook", None)
+        if hook == "powersgd":
+            self._powersgd.attach(ddp)
+        elif hook is not None:
+            compress = (
+                default_hooks.fp16_compress_hook
+                if hook == "fp16"
+                else default_hooks.bf16_compress_hook
+            )
+            ddp.register_comm_hook(None, compress)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return (
@@ -93,62 +147,33 @@ class DDPBackend(DistributedBackend, SingleDeviceBackend):
             else contextlib.nullcontext()
         )
 
-    # ---- communication hooks ----------------------------------------------------------------
-    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-        hook = self.options.comm_hook
-        if hook is None:
-            return
-        if hook == "powersgd":
-            self._powersgd = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.options.powersgd_rank,
-                start_powerSGD_iter=self.options.powersgd_start_iter,
-                random_seed=0,
-            )
-            if self._saved_powersgd is not None:
-                self._restore_powersgd(self._saved_powersgd)
-            ddp.register_comm_hook(self._powersgd, powerSGD_hook.powerSGD_hook)
-        else:
-            compress = (
-                default_hooks.fp16_compress_hook
-                if hook == "fp16"
-                else default_hooks.bf16_compress_hook
-            )
-            ddp.register_comm_hook(None, compress)
-
+    # ---- state: PowerSGD's factors and step count on rank 0, each rank's error feedback ----
     _powersgd: Any = None
-    _saved_powersgd: dict[str, Any] | None = None
+    #: at another world size PowerSGD's error feedback starts at zero, as in a new run
+    rank_state_on_resize = "drop"
 
     def state_dict(self) -> dict[str, Any]:
-        """Adds PowerSGD's step count and its low-rank factors (the same on every rank): a
-        resumed run keeps compressing, instead of starting over with plain all-reduces. The
-        error-feedback residuals are per rank and are not saved: they restart from zero."""
+        """Adds PowerSGD's step count and low-rank factors by parameter (the same on every
+        rank), so a resumed run keeps compressing where it stopped."""
         state = super().state_dict()
         if self._powersgd is not None:
-            p = self._powersgd
-            state["powersgd"] = {
-                "iter": p.iter,
-                "p_memory_dict": {str(k): v for k, v in p.p_memory_dict.items()},
-                "q_memory_dict": {str(k): v for k, v in p.q_memory_dict.items()},
-            }
+            state["powersgd"] = self._powersgd.shared_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        saved = state.get("powersgd")
-        if saved is None:
-            return
-        if self._powersgd is None:  # loaded before setup(): applied when the hook is made
-            self._saved_powersgd = saved
-            return
-        self._restore_powersgd(saved)
+        if self._powersgd is not None and "powersgd" in state:
+            self._powersgd.load_shared(state["powersgd"])
 
-    def _restore_powersgd(self, saved: dict[str, Any]) -> None:
-        p = self._powersgd
-        p.iter = int(saved["iter"])
-        device = self._device
-        for name in ("p_memory_dict", "q_memory_dict"):
-            getattr(p, name).clear()
-            getattr(p, name).update({int(k): v.to(device) for k, v in saved[name].items()})
+    def rank_state_dict(self) -> dict[str, Any]:
+        """PowerSGD's error feedback, this rank's own, by parameter."""
+        if self._powersgd is None:
+            return {}
+        return {"powersgd": self._powersgd.rank_state()}
+
+    def load_rank_state_dict(
+        self, states: Mapping[int, dict[str, Any]], saved_world_size: int
+    ) -> None:
+        mine = states.get(self.rank, {})
+        if self._powersgd is not None and "powersgd" in mine:
+            self._powersgd.load_rank_state(mine["powersgd"])

@@ -383,6 +383,8 @@ def _restore(
             state[name] = sections.extras[name]
     if sections.backend_state is not None:
         backend.load_state_dict(sections.backend_state)
+    if sections.rank_states is not None:
+        backend.load_rank_state_dict(*sections.rank_states)
     if rng:
         if sections.rng is not None:
             rng_io.restore(*sections.rng)

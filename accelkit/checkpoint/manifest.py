@@ -304,7 +304,7 @@ def check_schema(data: dict[str, Any], where: Path) -> None:
     for name, info in data["objects"].items():
         if not isinstance(info, dict) or not isinstance(info.get("type"), str):
             raise _field(where, f"objects.{name}", info, "an object with a string 'type'")
-    for field_name in ("backend_state", "rng"):
+    for field_name in ("backend_state", "rng", "rank_state"):
         if not isinstance(data.get(field_name, {}), dict):
             raise _field(where, field_name, data.get(field_name), "a JSON object")
     for i, t in enumerate(data["tensors"]):

@@ -37,6 +37,7 @@ from accelkit.checkpoint.fragments import (
     weights_entry,
 )
 from accelkit.checkpoint.manifest import BACKEND_OBJECT
+from accelkit.checkpoint.rank_state import read_rank_states
 from accelkit.errors import CheckpointError
 
 # ---- checksums, split over the ranks ------------------------------------------------------------
@@ -303,6 +304,8 @@ class Sections:
     states: dict[str, Any] = field(default_factory=dict)  # scheduler / stateful name -> state
     extras: dict[str, Any] = field(default_factory=dict)
     backend_state: dict[str, Any] | None = None
+    #: what ``load_rank_state_dict`` gets (states by rank, saved world size), or None
+    rank_states: tuple[Any, int] | None = None
     rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
     unconsumed: dict[str, Any] = field(default_factory=dict)
 
@@ -341,6 +344,7 @@ def read_sections(backend: Any, reader: Any, state: dict[str, Any], *, rng: bool
     if backend_state:
         out.backend_state = _section(reader, BACKEND_OBJECT, backend_state)
         _check_against(reader, "backend state", out.backend_state, backend.state_dict())
+    out.rank_states = read_rank_states(backend, reader)
     if rng:
         out.rng = reader.rng(backend.rank)
     for name, info in saved.items():

@@ -161,6 +161,10 @@ def _plan_rank(
         json_infos, extras, backend_state = _json_states(objects, backend, collector)
         infos.update(json_infos)
         record.update(infos=infos, extras=extras, backend_state=backend_state)
+    rank_state = backend.rank_state_dict()
+    if rank_state:  # what differs per rank is saved by every rank (Backend.rank_state_dict)
+        sink = collector.sink(f"{BACKEND_OBJECT}.{rank}", "state")
+        record["rank_state"] = encode(rank_state, "rank state", sink)
     if save_rng:
         rng_tensors, rng_scalars = rng_io.capture()
         for name, tensor in rng_tensors.items():
@@ -366,6 +370,9 @@ def _build_manifest(
         "backend_state": main.get("backend_state", {}),
         "rng": {str(r["rank"]): r["rng"] for r in records if "rng" in r},
     }
+    rank_states = {str(r["rank"]): r["rank_state"] for r in records if "rank_state" in r}
+    if rank_states:
+        data["rank_state"] = rank_states
     return Manifest(data, tensors), main.get("extras", {})
 
 
