@@ -42,6 +42,19 @@ root); every method gets the same. ``bench/io_limits.py`` gives the machine's ow
     python bench/checkpoint_io.py --gb 2 --repeats 5 --dir /local/nvme --out ckpt.json
     python bench/checkpoint_io.py --nproc 8 --gb 8     # FSDP2-sharded over 8 ranks: accelkit vs DCP
 
+With ``--dir s3://bucket/prefix`` the checkpoints go to S3-compatible object storage (the
+endpoint and keys from the AWS_* variables; with no ``AWS_ENDPOINT_URL`` set, a local SeaweedFS
+server is started for the run, :mod:`accelkit.testing.s3_server`). The methods there:
+``accelkit`` and ``accelkit-async`` to the ``s3://`` path; ``dcp`` through DCP's fsspec writer
+and reader (s3fs); ``s3connector``, the S3 connector for PyTorch's DCP writer and reader (its
+client swapped for one that talks to the custom endpoint); ``torch``, torch.save streamed into
+an object (an s3fs file) and torch.load from one; ``raw``, the same number of bytes PUT by
+parallel multipart upload and read back by parallel ranged GETs through boto3: the server's own
+limit.
+
+    python bench/checkpoint_io.py --dir s3://bench/ckpt --workload gpt --gb 0.5 \
+        --methods accelkit,accelkit-async,dcp,s3connector,torch,raw
+
 With ``--nproc N`` every layer (every block of the GPT) is FSDP2-sharded over N ranks
 (torchrun), each rank saves and loads its shard, times cover the slowest rank, and memory is
 rank 0's.
@@ -66,6 +79,110 @@ from typing import Any
 #: accelkit-async (asynchronous save: the training stall, the step time while it writes)
 METHODS = ("accelkit", "torch", "dcp")
 WIDTH = 2048
+#: the methods of an s3:// --dir
+S3_METHODS = ("accelkit", "accelkit-async", "dcp", "s3connector", "torch", "raw")
+
+
+def _remote(path: Any) -> bool:
+    return str(path).startswith("s3://")
+
+
+def _join(base: Any, name: str) -> Any:
+    """``base/name`` for a directory or an s3:// prefix (a Path would fold the ``//``)."""
+    return f"{str(base).rstrip('/')}/{name}" if _remote(base) else Path(base) / name
+
+
+def _s3_client() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(max_pool_connections=32))
+
+
+def _split(url: str) -> tuple[str, str]:
+    bucket, _, key = url[len("s3://") :].partition("/")
+    return bucket, key
+
+
+def _remove(path: Any) -> None:
+    """Delete a checkpoint: a file or directory, or every object under an s3:// prefix."""
+    if not _remote(path):
+        path = Path(path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+        return
+    client = _s3_client()
+    bucket, key = _split(str(path))
+    for prefix in (key, key + "/"):
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+        keys = [k for k in keys if k == key or k.startswith(key + "/")]
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": k} for k in keys[start : start + 1000]]
+            client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+
+_S3_PART = 8 << 20
+_S3_THREADS = 8
+
+
+def _raw_put_get(url: str, nbytes: int) -> tuple[float, float, bool]:
+    """The server's limit: ``nbytes`` from memory by a parallel multipart upload, then back into
+    memory by parallel ranged GETs (boto3); (put seconds, get seconds, bytes equal)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = _s3_client()
+    bucket, key = _split(url)
+    payload = memoryview(os.urandom(min(nbytes, 64 << 20)) * max(1, nbytes // (64 << 20)))
+    size = payload.nbytes
+    started = time.perf_counter()
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+
+    def put(number: int) -> dict[str, Any]:
+        start = (number - 1) * _S3_PART
+        body = bytes(payload[start : start + _S3_PART])
+        reply = client.upload_part(
+            Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    with ThreadPoolExecutor(_S3_THREADS) as pool:
+        parts = list(pool.map(put, range(1, (size + _S3_PART - 1) // _S3_PART + 1)))
+    client.complete_multipart_upload(
+        Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+    )
+    put_s = time.perf_counter() - started
+    out = bytearray(size)
+    view = memoryview(out)
+
+    def get(start: int) -> None:
+        end = min(size, start + _S3_PART)
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+        done = start
+        while done < end:
+            n = body.readinto(view[done:end])
+            if not n:
+                raise OSError("short read")
+            done += n
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(_S3_THREADS) as pool:
+        list(pool.map(get, range(0, size, _S3_PART)))
+    get_s = time.perf_counter() - started
+    return put_s, get_s, out == payload
+
+
+def _s3connector_client() -> Any:
+    """An S3 connector client for AWS_ENDPOINT_URL (its DCP classes take none themselves)."""
+    from s3torchconnector._s3client import S3Client, S3ClientConfig
+
+    return S3Client(
+        os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+        endpoint=os.environ.get("AWS_ENDPOINT_URL"),
+        s3client_config=S3ClientConfig(part_size=_S3_PART, force_path_style=True),
+    )
 
 
 # ---- the worker (one measurement, in its own process) -----------------------------------------------
@@ -243,6 +360,12 @@ def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
             checksum=checksum,
             asynchronous=method == "accelkit-async",
         )
+    elif method == "torch" and _remote(path):  # streamed into one object (an s3fs file)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(default_block_size=_S3_PART)
+        with fs.open(str(path), "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
     elif method == "torch":
         with open(path, "wb") as f:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
@@ -254,7 +377,21 @@ def _save(method: str, model, opt, path: Path, *, fsync: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(path))
+        writer = None
+        if _remote(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer = FsspecWriter(str(path), thread_count=_S3_THREADS)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(path), storage_writer=writer)
+    elif method == "s3connector":
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector.dcp import S3StorageWriter
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        writer = S3StorageWriter("us-east-1", str(path), thread_count=_S3_THREADS)
+        writer.fs._client = _s3connector_client()
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(path), storage_writer=writer)
     else:
         raise ValueError(method)
 
@@ -267,6 +404,13 @@ def _load(method: str, model, opt, path: Path, device: str) -> None:
 
         verify = method != "accelkit-noverify"
         load(_accel(), path, {"model": model, "optimizer": opt}, rng=False, verify=verify)
+    elif method == "torch" and _remote(path):
+        import s3fs
+
+        with s3fs.S3FileSystem(default_block_size=_S3_PART).open(str(path), "rb") as f:
+            state = torch.load(f, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
     elif method == "torch":
         state = torch.load(path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"])
@@ -277,7 +421,25 @@ def _load(method: str, model, opt, path: Path, device: str) -> None:
 
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optimizer": osd}
-        dcp.load(state, checkpoint_id=str(path))
+        reader = None
+        if _remote(path):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+            reader = FsspecReader(str(path))
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader)
+        set_state_dict(
+            model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+    elif method == "s3connector":
+        import torch.distributed.checkpoint as dcp
+        from s3torchconnector.dcp import S3StorageReader
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optimizer": osd}
+        reader = S3StorageReader("us-east-1", str(path))
+        reader.fs._client = _s3connector_client()
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader)
         set_state_dict(
             model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
@@ -314,7 +476,7 @@ def measure_async(model, opt, step, nbytes: int, args) -> dict[str, Any]:
     idle = [_timed_step(step, args.device) for _ in range(5)]
     stalls, wholes, during, first_during, breakdowns = [], [], [], [], []
     for i in range(4):
-        path = Path(args.dir) / f"async-{i}"
+        path = _join(args.dir, f"async-{i}")
         if i:
             idle += [_timed_step(step, args.device) for _ in range(3)]
         expected = _fingerprint(model, opt)
@@ -352,7 +514,7 @@ def measure_async(model, opt, step, nbytes: int, args) -> dict[str, Any]:
     _sync(args.device)
     if int(os.environ.get("RANK", "0")) == 0:
         for i in range(4):
-            shutil.rmtree(Path(args.dir) / f"async-{i}", ignore_errors=True)
+            _remove(_join(args.dir, f"async-{i}"))
     _sync(args.device)
     return result
 
@@ -362,9 +524,15 @@ def measure(method: str, model, opt, step, nbytes: int, args) -> dict[str, Any]:
     if method == "accelkit-async":
         return measure_async(model, opt, step, nbytes, args)
     expected = _fingerprint(model, opt)
-    path = Path(args.dir) / f"{method}-ckpt"
+    path = _join(args.dir, f"{method}-ckpt")
     result: dict[str, Any] = {"method": method, "bytes": nbytes}
-    if method == "torch":  # the same write without durability, for reference
+    if method == "raw":
+        result["save_s"], result["load_s"], result["correct"] = _raw_put_get(path, nbytes)
+        result.update(save_rss_extra=None, save_anon_extra=None)
+        result.update(load_rss_extra=None, load_anon_extra=None)
+        _remove(path)
+        return result
+    if method == "torch" and not _remote(path):  # the same write without durability, for reference
         started = time.perf_counter()
         _save("torch", model, opt, path, fsync=False)
         result["save_nofsync_s"] = time.perf_counter() - started
@@ -391,10 +559,7 @@ def measure(method: str, model, opt, step, nbytes: int, args) -> dict[str, Any]:
     result["correct"] = _fingerprint(model, opt) == expected
     _sync(args.device)
     if int(os.environ.get("RANK", "0")) == 0:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        _remove(path)
     _sync(args.device)
     return result
 
@@ -415,13 +580,14 @@ def _warm_up(methods: list[str], args) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 64, device=args.device)).sum().backward()
     opt.step()
-    for method in dict.fromkeys("accelkit" if m.startswith("accelkit") else m for m in methods):
-        path = Path(args.dir) / f"warmup-{method}"
+    warm = dict.fromkeys("accelkit" if m.startswith("accelkit") else m for m in methods)
+    for method in (m for m in warm if m != "raw"):
+        path = _join(args.dir, f"warmup-{method}")
         _save(method, model, opt, path)
         _load(method, model, opt, path, args.device)
         _sync(args.device)
         if int(os.environ.get("RANK", "0")) == 0:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            _remove(path)
         _sync(args.device)
 
 
@@ -560,18 +726,32 @@ def main() -> int:
         return 0
 
     default = METHODS if args.nproc == 1 else ("accelkit", "dcp")
+    server = None
+    if args.dir and _remote(args.dir):
+        default = S3_METHODS if args.nproc == 1 else ("accelkit", "dcp", "s3connector")
+        if not os.environ.get("AWS_ENDPOINT_URL"):
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from accelkit.testing.s3_server import LocalS3Server
+
+            bucket = _split(args.dir)[0]
+            server = LocalS3Server(tempfile.mkdtemp(prefix="s3bench-"), bucket=bucket).start()
+            os.environ.update(server.env())
+            print(f"started a local S3 server (SeaweedFS weed mini) at {server.endpoint}")
     methods = [m for m in (args.methods or ",".join(default)).split(",") if m]
     if args.nproc > 1 and "torch" in methods:
         raise SystemExit("torch.save has no sharded form to compare; drop it with --nproc > 1")
-    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="accelkit-ckpt-bench-"))
-    base.mkdir(parents=True, exist_ok=True)
+    base: Any = args.dir if args.dir and _remote(args.dir) else None
+    if base is None:
+        base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="accelkit-ckpt-bench-"))
+        base.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     started = time.time()
     for repeat in range(args.repeats):
         order = methods[repeat % len(methods) :] + methods[: repeat % len(methods)]
-        workdir = base / f"r{repeat}"
-        workdir.mkdir(parents=True, exist_ok=True)
+        workdir = _join(base, f"r{repeat}")
+        if not _remote(workdir):
+            workdir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, __file__]
         if args.nproc > 1:
             import socket
@@ -584,10 +764,10 @@ def main() -> int:
         cmd += ["--worker", ",".join(order), "--gb", str(args.gb), "--workload", args.workload]
         cmd += ["--dir", str(workdir), "--device", args.device]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        shutil.rmtree(workdir, ignore_errors=True)
         if proc.returncode != 0:
             print(proc.stdout, proc.stderr, file=sys.stderr)
             raise SystemExit(f"repeat {repeat} failed")
+        _remove(workdir)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")][-1]
         for result in json.loads(line):
             method = result["method"]
@@ -605,6 +785,8 @@ def main() -> int:
             print(line, flush=True)
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
+    if server is not None:
+        server.stop()
 
     import platform
 
@@ -636,8 +818,10 @@ def main() -> int:
             "accelkit-noverify": "accelkit (load unverified)",
             "accelkit-sha256": "accelkit (SHA-256)",
             "accelkit-async": "accelkit (asynchronous)",
-            "torch": "torch.save/load +fsync",
-            "dcp": "DCP",
+            "torch": "torch.save/load +fsync" if not _remote(base) else "torch.save to an object",
+            "dcp": "DCP" if not _remote(base) else "DCP fsspec writer",
+            "s3connector": "S3 connector DCP writer",
+            "raw": "raw PUT/GET (boto3)",
         }[method]
         print(
             f"{label:26s} {save[0]:8.2f} [{save[1]:5.2f}-{save[2]:5.2f}] "
@@ -649,7 +833,7 @@ def main() -> int:
             _print_async(rs, runs.get("accelkit"), summary[method])
         if method.startswith("accelkit") and rs and rs[0].get("breakdown"):
             _print_breakdown(label, rs)
-        if method == "torch":
+        if method == "torch" and not _remote(base):
             nofsync = _summary(rs, "save_nofsync_s")
             summary["torch"]["save_nofsync_gbps"] = nofsync
             print(
