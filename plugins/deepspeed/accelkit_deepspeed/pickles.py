@@ -18,7 +18,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from accelkit.sdk import PickleAllowlist, StandIn, conversion_allowlist, restricted_torch_load
+from accelkit.sdk import (
+    CheckpointError,
+    PickleAllowlist,
+    StandIn,
+    conversion_allowlist,
+    restricted_torch_load,
+)
 
 #: the classes DeepSpeed's checkpoint files name, besides tensors and containers
 CHECKPOINT_CLASSES = (
@@ -43,17 +49,19 @@ REFUSED_HINT = (
 )
 
 
-def _stage_number(value: int) -> int:
+def _stage_number(value: Any) -> int:
     """ZeroStageEnum for the importer: the stage as a number (the file cannot fill an int)."""
-    return int(value)
+    if type(value) is not int or not 0 <= value <= 3:
+        raise CheckpointError(f"a DeepSpeed checkpoint's ZeroStageEnum is {value!r}, not 0 to 3")
+    return value
 
 
-def _zero_stage(value: int) -> Any:
+def _zero_stage(value: Any) -> Any:
     """ZeroStageEnum for DeepSpeed's own load: the member of that value. The file gets the shared
     member but cannot change it: its class is not on the list, so torch refuses to fill it."""
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    return ZeroStageEnum(value)
+    return ZeroStageEnum(_stage_number(value))
 
 
 def import_allowlist() -> PickleAllowlist:
