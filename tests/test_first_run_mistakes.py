@@ -101,6 +101,13 @@ def test_load_pretrained_before_setup_on_fsdp_says_setup_first(tmp_path):
     accel.load_pretrained(model, tmp_path)
     assert torch.equal(model.weight.full_tensor(), torch.ones(3, 4))
 
+    accel.save(tmp_path / "ck", {"model": model})
+    with accel.init_module():
+        fresh = torch.nn.Linear(4, 3)
+    with pytest.raises(accelkit.CheckpointError, match=r"gets its storage in setup\(\)"):
+        accel.load(tmp_path / "ck", {"model": fresh})  # accel.load says the same
+    assert fresh.weight.is_meta
+
 
 def test_a_one_process_backend_under_a_launcher_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")

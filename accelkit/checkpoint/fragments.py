@@ -482,8 +482,8 @@ def fill_tensor(reader: CheckpointReader, entry: TensorEntry, target: torch.Tens
         )
     if target.device.type == "meta":
         raise CheckpointError(
-            f"tensor {entry.label}: the target is on the meta device; materialize the model "
-            "(to_empty) before loading"
+            f"tensor {entry.label}: the target is on the meta device (a model built in "
+            "init_module() gets its storage in setup()): load into the model setup() returned"
         )
     if is_dtensor(target):
         local = target.to_local()

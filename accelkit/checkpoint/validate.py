@@ -156,8 +156,8 @@ def check_module_targets(
         _check_kind(reader, source, target)
         if getattr(target, "device", None) is not None and target.device.type == "meta":
             raise CheckpointError(
-                f"tensor {entry.label}: the target is on the meta device; materialize the "
-                "model (to_empty) before loading"
+                f"tensor {entry.label}: the target is on the meta device (a model built in "
+                "init_module() gets its storage in setup()): load into the model setup() returned"
             )
 
 
