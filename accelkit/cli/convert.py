@@ -22,7 +22,11 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-pickle",
         action="store_true",
-        help="allow unpickling the input (.pt/.pth/.ckpt, DCP .metadata): runs code it carries",
+        help=(
+            "read a pickled input (.pt/.pth/.bin/.ckpt, DCP .metadata, DeepSpeed and ColossalAI "
+            "checkpoints) with accelkit's restricted unpickler: tensors, containers, numpy values "
+            "and the classes the input's library writes; it never runs code the file carries"
+        ),
     )
     parser.add_argument(
         "--format",
