@@ -42,7 +42,9 @@ def accelkit_checkpoint_importers() -> dict[str, Any]:
     """Return ``{format_name: importer}`` for foreign checkpoint formats ``accelkit convert`` reads.
 
     An importer is an object with ``detect(path) -> bool`` and
-    ``convert(path, dst, *, trust_pickle: bool) -> None``.
+    ``convert(path, dst, *, trust_pickle: bool) -> None``. It reads a pickle only under
+    ``trust_pickle`` and only through ``accelkit.sdk.restricted_torch_load`` with the classes its
+    format holds (docs/plugins.md, "Reading pickled checkpoints").
     """
 
 
