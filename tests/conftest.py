@@ -78,6 +78,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
 def s3(s3_server, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     """The session's S3 server with its AWS_* variables set for this test, and a prefix of this
     test's own: ``s3.url("run/step-1")`` is ``s3://ckpts/<test>/run/step-1``."""
+    if not s3_server.alive():  # something ended it: the next test still gets a server
+        s3_server.start()
     return _S3Place(s3_server, monkeypatch, request.node.name)
 
 

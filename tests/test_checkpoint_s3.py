@@ -350,3 +350,179 @@ def test_inspect_names_the_object_that_fails_its_checksum(s3, saved, capsys):
     assert main(["inspect", s3.url("run")]) == 1
     err = capsys.readouterr().err
     assert f"{url}/rank-00000.safetensors" in err and "FAILED" in err
+
+
+# ---- slow tier: other backends, faults -------------------------------------------------------------
+@pytest.mark.slow
+def test_fsdp_two_ranks_save_to_s3_and_ddp_resumes_bit_exact(s3, tmp_path):
+    """fsdp x2 saves to s3://; ddp x2 loads the same state bit for bit and continues the loss
+    curve within the tolerance of test_checkpoint_dist (same order of reduction: exactly)."""
+    import test_checkpoint_dist as dist_test
+    import test_checkpoint_reference as ref
+
+    out = tmp_path / "out"
+    out.mkdir()
+    url = s3.url("fsdp/step-6")
+    ranks = _launch(
+        [
+            dict(backend="fsdp", out=str(out), tag="A", save_to=url),
+            dict(backend="ddp", out=str(out), tag="H", load_from=s3.url("fsdp")),
+        ],
+        2,
+    )
+    saved, resumed = ranks[0]
+    ref.assert_same_state(ref.undump(out / "A-saved"), ref.undump(out / "H-loaded"))
+    tail = saved["losses"][dist_test.SAVE_AT :]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], tail)) <= dist_test.LOSS_RTOL
+
+
+DS_TESTS = HERE.parent / "plugins" / "deepspeed" / "tests"
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_save_to_s3_and_resume_across_backends(s3, monkeypatch):
+    """DeepSpeed ZeRO-3 x2 saves to s3://; ddp x2 and ZeRO-3 x2 resume from it, and ZeRO-3 x2
+    resumes a ddp x2 checkpoint from s3://: each loaded state equals the saved one bit for
+    bit (gathered through DeepSpeed's and torch's own accessors, dsk_gather.py)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelkit_deepspeed")
+    monkeypatch.syspath_prepend(str(DS_TESTS))  # run_ranks checks the module imports here
+    z3, ddp = s3.url("z3/step-3"), s3.url("ddp/step-3")
+    jobs = [
+        dict(name="z3", stage=3, save_at=3, save_to=z3),
+        dict(name="ddp", backend="ddp", save_at=3, save_to=ddp),
+        dict(name="ddp<-z3", backend="ddp", load_from=s3.url("z3")),
+        dict(name="z3<-z3", stage=3, load_from=z3),
+        dict(name="z3<-ddp", stage=3, load_from=ddp),
+    ]
+    ranks = run_ranks(
+        "dsk_ckpt:jobs",
+        {"jobs": jobs},
+        nproc=2,
+        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+        timeout=900,
+        path=[DS_TESTS],
+    )
+    runs = ranks[0]
+    for name, result in runs.items():
+        assert "crash" not in result and "error" not in result, (name, result)
+    for target, source in (("ddp<-z3", "z3"), ("z3<-z3", "z3"), ("z3<-ddp", "ddp")):
+        loaded, saved = runs[target]["loaded"], runs[source]["saved"]
+        for key in ("weights", "exp_avg", "exp_avg_sq"):
+            assert loaded[key] == saved[key], (target, key)
+        assert loaded["steps"] == saved["steps"], target
+        assert saved["exp_avg"], "the source had optimizer state to transfer"
+    assert runs["z3<-z3"]["losses"] == runs["z3"]["losses"][3:]
+
+
+def _latest(s3, under: str) -> str | None:
+    try:
+        body = s3.client().get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{under}/latest")
+    except Exception:
+        return None
+    return body["Body"].read().decode().strip()
+
+
+def _kill_server_at_upload(monkeypatch, server) -> list:
+    """SIGKILL the server as the first rank file upload begins (a crash mid-save)."""
+    from accelkit.checkpoint import remote
+
+    real, killed = remote.upload_rank_file, []
+
+    def upload(*args, **kwargs):
+        if not killed:
+            server.kill()
+            killed.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remote, "upload_rank_file", upload)
+    return killed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_server_killed_during_a_save(own_s3_server, monkeypatch, asynchronous):
+    """The server dies mid-save: the save fails clearly (bounded retries, no hang), nothing is
+    committed and ``latest`` still names the last checkpoint; after a restart the next save
+    works and loads."""
+    s3 = own_s3_server
+    accel, model, opt, _ = _setup()
+    accel.save(s3.url("run/step-1"), {"model": model, "optimizer": opt})
+    want = _snapshot(model, opt)
+    _train(accel, model, 1)
+    killed = _kill_server_at_upload(monkeypatch, s3.server)
+    with pytest.raises(accelkit.CheckpointError, match=r"step-2.*cannot reach the S3 endpoint"):
+        accel.save(
+            s3.url("run/step-2"), {"model": model, "optimizer": opt}, asynchronous=asynchronous
+        )
+        if asynchronous:  # the failure surfaces at the next checkpoint call
+            accel.load(s3.url("run"), {"model": model, "optimizer": opt})
+    assert killed
+    monkeypatch.undo()
+    for key, value in s3.server.env().items():
+        monkeypatch.setenv(key, value)
+    s3.server.start()
+    assert _latest(s3, "run") == "step-1"
+    assert not [k for k in s3.keys("run") if k.endswith("step-2/accelkit.json")]
+    accel2, state = _fresh()
+    accel2.load(s3.url("run"), {"model": state["model"], "optimizer": state["optimizer"]})
+    _assert_equal(_snapshot(state["model"], state["optimizer"]), want)
+    _train(accel, model, 1)
+    accel.save(s3.url("run/step-2"), {"model": model, "optimizer": opt})  # cleans what was left
+    assert _latest(s3, "run") == "step-2"
+    accel2.load(s3.url("run"), {"model": state["model"], "optimizer": state["optimizer"]})
+    _assert_equal(_snapshot(state["model"], state["optimizer"]), _snapshot(model, opt))
+
+
+def trainer_killed_mid_upload(url: str, parts_before_kill: int) -> None:
+    """A worker: saves a state of several multipart parts and SIGKILLs itself after uploading
+    ``parts_before_kill`` of them (the save never returns)."""
+    import signal
+
+    from accelkit.checkpoint import objectstore
+
+    real, sent = objectstore.ObjectStore._call, []
+
+    def call(self, doing, key, fn, **kwargs):
+        if getattr(fn, "__name__", "") == "upload_part":
+            if len(sent) >= parts_before_kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            sent.append(key)
+        return real(self, doing, key, fn, **kwargs)
+
+    objectstore.ObjectStore._call = call
+    accel = accelkit.get("cpu")
+    torch.manual_seed(9)
+    model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights: a multipart upload
+    accel.save(url, {"model": model})
+
+
+@pytest.mark.slow
+def test_trainer_killed_mid_upload_leaves_nothing_loadable(s3):
+    """A trainer SIGKILLed during its multipart upload: its checkpoint has no manifest, so
+    load and auto_resume take the last committed one; the next save to that name removes the
+    leftovers (parts, objects) and commits."""
+    from accelkit.testing import RanksFailed
+
+    accel, model, opt, _ = _setup()
+    accel.save(s3.url("run/step-1"), {"model": model})
+    want = _snapshot(model, opt)
+    with pytest.raises(RanksFailed):
+        run_ranks(
+            "test_checkpoint_s3:trainer_killed_mid_upload",
+            {"url": s3.url("run/step-2"), "parts_before_kill": 1},
+            nproc=1,
+            timeout=300,
+            path=[HERE],
+        )
+    client = s3.client()
+    uploads = client.list_multipart_uploads(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-2")
+    assert uploads.get("Uploads"), "the kill came mid-upload: an unfinished multipart upload"
+    assert _latest(s3, "run") == "step-1"
+    accel2, state = _fresh()
+    assert accel2.auto_resume(s3.url("run"), {"model": state["model"]}) == s3.url("run/step-1")
+    assert torch.equal(state["model"][0].weight, want["m.0.weight"])
+    accel.save(s3.url("run/step-2"), {"model": model})
+    uploads = client.list_multipart_uploads(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-2")
+    assert not uploads.get("Uploads")
+    assert _latest(s3, "run") == "step-2"

@@ -75,6 +75,10 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
+class _PortTaken(RuntimeError):
+    """``weed`` could not bind a port chosen for it."""
+
+
 class LocalS3Server:
     """One ``weed mini`` process group serving S3 on ``127.0.0.1:<free port>``."""
 
@@ -98,10 +102,22 @@ class LocalS3Server:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self) -> LocalS3Server:
         """Start the server (on the same ports and data after a :meth:`kill`) and wait until
-        its S3 port answers."""
-        if self.process is not None and self.process.poll() is None:
+        its bucket answers. A port taken between choosing it and the server binding it (other
+        processes pick free ports too) makes ``weed`` exit: it is tried again on new ports."""
+        for _ in range(3):
+            try:
+                return self._start()
+            except _PortTaken:
+                self.ports = {}
+        return self._start()
+
+    def _start(self) -> LocalS3Server:
+        if self.alive():
             return self
         data = self.directory / "data"
         data.mkdir(parents=True, exist_ok=True)
@@ -130,7 +146,11 @@ class LocalS3Server:
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed mini exited at start: {self._log_tail()}")
+                self.process = None
+                tail = self._log_tail()
+                if "address already in use" in tail or "bind" in tail:
+                    raise _PortTaken(tail)
+                raise RuntimeError(f"weed mini exited at start: {tail}")
             if self._bucket_answers():
                 return
             time.sleep(0.2)
@@ -140,18 +160,49 @@ class LocalS3Server:
         )
 
     def _bucket_answers(self) -> bool:
-        """Whether the S3 port answers a request for the bucket (any HTTP reply counts: the
-        bucket exists once the reply is not 404)."""
+        """Whether the S3 port serves the bucket: a HEAD of it answers 200 (signed, as any
+        client's request is: an unsigned one is refused whether the bucket exists or not)."""
         import http.client
 
         conn = http.client.HTTPConnection("127.0.0.1", self.ports["s3.port"], timeout=2)
         try:
-            conn.request("HEAD", f"/{self.bucket}")
-            return conn.getresponse().status != 404
+            conn.request("HEAD", f"/{self.bucket}", headers=self._signed_head())
+            return conn.getresponse().status == 200
         except OSError:
             return False
         finally:
             conn.close()
+
+    def _signed_head(self) -> dict[str, str]:
+        """AWS Signature V4 headers of ``HEAD /<bucket>`` with this server's keys (stdlib only:
+        this module imports no S3 client)."""
+        import datetime
+        import hashlib
+        import hmac
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+        stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+        host = f"127.0.0.1:{self.ports['s3.port']}"
+        empty = hashlib.sha256(b"").hexdigest()
+        signed = "host;x-amz-content-sha256;x-amz-date"
+        canonical = (
+            f"HEAD\n/{self.bucket}\n\nhost:{host}\nx-amz-content-sha256:{empty}\n"
+            f"x-amz-date:{stamp}\n\n{signed}\n{empty}"
+        )
+        scope = f"{day}/us-east-1/s3/aws4_request"
+        to_sign = "\n".join(
+            ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
+        key = ("AWS4" + SECRET_KEY).encode()
+        for part in (day, "us-east-1", "s3", "aws4_request"):
+            key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+        signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+        return {
+            "x-amz-date": stamp,
+            "x-amz-content-sha256": empty,
+            "Authorization": f"AWS4-HMAC-SHA256 Credential={ACCESS_KEY}/{scope}, "
+            f"SignedHeaders={signed}, Signature={signature}",
+        }
 
     def _log_tail(self) -> str:
         try:
