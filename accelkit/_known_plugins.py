@@ -23,6 +23,20 @@ def pip_install(*requirements: str) -> str:
     return " ".join([shlex.quote(sys.executable), "-m", "pip", "install", *requirements])
 
 
+def installed_versions(*distributions: str) -> dict[str, str | None]:
+    """``{distribution: its installed version, or None}`` from the package metadata, importing
+    nothing: what a plugin's ``accelkit_env_report`` hook returns."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for name in distributions:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def checkout_path(relative: str) -> str:
     """``relative`` (a path inside the accelkit repository) made absolute when accelkit runs from
     a checkout that holds it; otherwise ``relative`` as it is, to run from the repository root."""

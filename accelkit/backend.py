@@ -218,7 +218,7 @@ class Backend:
         """The canonical string for the user's ``precision=`` (None stays None). A backend
         overrides this to explain a value its own library took (Apex's ``"O1"``) before the
         generic unknown-precision error."""
-        return normalize_precision(precision)
+        return normalize_precision(precision, cls.capabilities.precisions)
 
     @classmethod
     def resolve_settings(cls, name: str, options: Any, settings: Settings) -> Settings:

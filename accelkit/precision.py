@@ -34,16 +34,20 @@ _ALIASES = {
 }
 
 
-def normalize_precision(precision: str | int | None) -> str | None:
-    """Return the canonical precision string, or None; raise ConfigError on anything else."""
+def normalize_precision(
+    precision: str | int | None, valid: tuple[str, ...] = KNOWN_PRECISIONS
+) -> str | None:
+    """Return the canonical precision string, or None; raise ConfigError on anything else,
+    listing ``valid`` (a backend passes the precisions it accepts) and their aliases."""
     if precision is None:
         return None
     key = str(precision)
     key = _ALIASES.get(key, key)
     if key not in KNOWN_PRECISIONS:
+        aliases = sorted(alias for alias, target in _ALIASES.items() if target in valid)
         raise ConfigError(
-            f"unknown precision {precision!r}. Valid precisions: {', '.join(KNOWN_PRECISIONS)} "
-            f"(aliases: {', '.join(sorted(_ALIASES))})"
+            f"unknown precision {precision!r}. Valid precisions: {', '.join(valid)}"
+            + (f" (aliases: {', '.join(aliases)})" if aliases else "")
         )
     return key
 

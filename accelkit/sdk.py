@@ -14,7 +14,7 @@ The groups:
   :class:`DistributedOptions` / :class:`ProcessGroupOptions`, :func:`init_process_group`,
   :func:`local_rank`, :func:`is_initialized`, :data:`DEFAULT_TIMEOUT_S`;
 - options: :func:`build_options`, :func:`options_as_dict`, :func:`load_config_source`,
-  :func:`closest`, :func:`pip_install`;
+  :func:`closest`, :func:`pip_install`, :func:`installed_versions`;
 - precision policies and dtype tables: :class:`Precision`, :class:`MixedPrecision`,
   :class:`BoundaryCastPrecision`, :class:`DtypeRow`, :func:`cast_floats`, ...;
 - module transforms: :func:`apply_activation_checkpointing`, :func:`compile_in_place`,
@@ -71,6 +71,7 @@ _SOURCES: dict[str, str] = {
     "load_config_source": "accelkit.config",
     "options_as_dict": "accelkit.config",
     "pip_install": "accelkit.registry",
+    "installed_versions": "accelkit._known_plugins",
     # precision
     "BoundaryCastPrecision": "accelkit.precision",
     "DtypeRow": "accelkit.precision",
@@ -203,6 +204,7 @@ __all__ = [
     "load_config_source",
     "options_as_dict",
     "pip_install",
+    "installed_versions",
     "BoundaryCastPrecision",
     "DtypeRow",
     "MixedPrecision",
@@ -302,6 +304,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from accelkit._known_plugins import installed_versions
     from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
     from accelkit.backend_specs import device_available
     from accelkit.backends.ddp import CommHookOptions, DDPBackend, DDPOptions, DDPWrapOptions

@@ -81,9 +81,7 @@ def run(backend: str, save: str | None = None, load: str | None = None) -> dict[
         except accelkit.CheckpointError as err:
             out["error"] = str(err)
         out["restored"] = accel.backend.restored
-        out["weights_unchanged"] = all(
-            torch.equal(a, b) for a, b in zip(before, net.parameters())
-        )
+        out["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
     accel.backend.samples = 10 * (accel.rank + 1)
     if save:
         accel.save(save, {"model": model, "optimizer": opt})

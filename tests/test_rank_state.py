@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import rank_state_workers as workers
+import torch
 
 import accelkit
 from accelkit.testing import run_ranks
@@ -107,3 +108,14 @@ def test_merge_hands_every_saved_rank_to_the_backend(saved_at_two):
             "1": {"samples": 20, "mark": [1.0, 1.0, 1.0]},
         },
     }
+
+
+def test_a_backend_that_keeps_no_rank_state_continues_the_run(tmp_path):
+    workers.run("counting_cpu", save=str(tmp_path / "ck"))  # weights of torch.manual_seed(0)
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(2, 1)
+    accel = accelkit.get("cpu")
+    net = torch.nn.Linear(2, 1)
+    model, opt = accel.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    accel.load(tmp_path / "ck", {"model": model, "optimizer": opt})  # the rank state is not cpu's
+    assert torch.equal(net.weight, saved.weight)

@@ -2,7 +2,8 @@
 
 Every rank saves its own under the manifest's ``rank_state.<rank>`` (its tensors in its own
 file, object ``__backend__.<rank>``). At the saved world size each rank gets back what it saved.
-At another one the backend's ``rank_state_on_resize`` decides, in the load's validate phase so
+A backend that keeps no per-rank state (another backend continuing the run) gets nothing. At
+another world size the backend's ``rank_state_on_resize`` decides, in the load's validate phase so
 that a refusal writes nothing: ``"refuse"`` fails, ``"drop"`` warns and skips, ``"merge"`` hands
 over every saved rank's state, each decoded when first looked up.
 """
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from accelkit.backend import Backend
 from accelkit.checkpoint.codec import decode
 from accelkit.checkpoint.manifest import BACKEND_OBJECT
 from accelkit.errors import CheckpointError
@@ -68,8 +70,8 @@ def read_rank_states(backend: Any, reader: Any) -> tuple[Mapping[int, Any], int]
     """What ``backend.load_rank_state_dict`` gets from this checkpoint, with the saved world
     size; None when it is not to be called (no per-rank state, or dropped by the policy)."""
     saved = reader.manifest.data.get("rank_state")
-    if not saved:
-        return None
+    if not saved or type(backend).load_rank_state_dict is Backend.load_rank_state_dict:
+        return None  # none saved, or a backend that keeps none (another backend's run goes on)
     saved_world, world = reader.manifest.world_size, backend.world_size
     if saved_world == world:
         own = saved.get(str(backend.rank))

@@ -11,12 +11,14 @@ or subclass :class:`BackendContract` and set its attributes (``backend``, ``opti
 
 - ``setup`` returns torch optimizers whose param groups are the ones the backend steps (a torch
   LR scheduler's lr reaches it);
-- a few steps with accumulation 2 and clipping match a raw PyTorch loop written below (same data,
-  same initial weights, no accelkit): every loss, every pre-clip gradient norm, the final weights;
+- a few steps (``steps``) with accumulation 2 and clipping match a raw PyTorch loop written
+  below (same data, same initial weights, no accelkit), or the ``reference`` a class names: every
+  loss, every pre-clip gradient norm, the final weights, within ``tolerance``;
 - ``accel.grad_norm`` is a 0-d tensor on the backend's device, and on CUDA the step that computes
   it makes no host sync (``torch.cuda.set_sync_debug_mode``);
 - a checkpoint saved at the largest world size loads at each of ``resume_world_sizes`` and the
-  run continues on the same trajectory; a core backend (``resume_with``) continues it too;
+  run continues on the same trajectory; a core backend (``resume_with``) continues it too; at
+  the saved world size it continues within ``resume_tolerance`` (exact for a lossy backend);
 - a checkpoint with a flipped byte raises ``CheckpointError``;
 - listing the backend names imports neither the backend's library nor its module;
 - an unknown option and an unknown precision are ``ConfigError``s naming the value.
@@ -162,8 +164,10 @@ def train_job(
     load_from: str | None = None,
     tampered: str | None = None,
     probe: bool = False,
+    steps: int = STEPS,
+    save_at: int = SAVE_AT,
 ) -> dict[str, Any]:
-    """Train ``STEPS`` steps (saving after ``SAVE_AT``), or load ``load_from`` and train the rest;
+    """Train ``steps`` steps (saving after ``save_at``), or load ``load_from`` and train the rest;
     report losses (global means), norms, what ``grad_norm`` is, and the final full weights.
     ``probe``: first run :func:`probe_job` (in this process, before anything else is imported)."""
     out: dict[str, Any] = {}
@@ -208,12 +212,12 @@ def train_job(
             out["tampered"] = [type(err).__name__, str(err)[:300]]
     if load_from is not None:
         accel.load(load_from, state)
-        first = SAVE_AT
+        first = save_at
     dp_rank = accel.backend.data_parallel_rank
     dp_world = accel.backend.data_parallel_world_size
     cuda = accel.device.type == "cuda"
     losses, norms, kinds, sync_sites = [], [], [], collections.Counter()
-    for step in range(first, STEPS):
+    for step in range(first, steps):
         for micro in range(ACCUMULATION):
             batch = accel.to_device(
                 _shard(work.batch(step * ACCUMULATION + micro), dp_rank, dp_world)
@@ -247,7 +251,7 @@ def train_job(
                 )
                 norms.append(float(norm))
             optimizer.zero_grad()
-        if save_to is not None and step + 1 == SAVE_AT:
+        if save_to is not None and step + 1 == save_at:
             accel.save(save_to, state)
     out.update(
         losses=losses,
@@ -360,13 +364,22 @@ def _tamper(source: Path, target: Path) -> Path:
 
 
 def _close(mine: list[float], reference: list[float], tolerance: tuple[float, float], what: str):
+    """``mine`` within ``tolerance`` of ``reference``; a failure names the first index that
+    differs beyond it, the values there, how many differ, and the worst."""
     rtol, atol = tolerance
     assert len(mine) == len(reference), f"{what}: {len(mine)} values, reference {len(reference)}"
-    worst = max(
-        (abs(a - b) - rtol * abs(b) for a, b in zip(mine, reference, strict=True)), default=0.0
+    excess = [abs(a - b) - rtol * abs(b) for a, b in zip(mine, reference, strict=True)]
+    bad = [i for i, (e, a) in enumerate(zip(excess, mine)) if e > atol or not math.isfinite(a)]
+    if not bad:
+        return
+    first, worst = (
+        bad[0],
+        max(bad, key=lambda i: excess[i] if math.isfinite(excess[i]) else math.inf),
     )
-    assert worst <= atol and all(math.isfinite(a) for a in mine), (
-        f"{what} differ beyond rtol={rtol}, atol={atol}: {mine[:6]} vs {reference[:6]}"
+    raise AssertionError(
+        f"{what} differ beyond rtol={rtol}, atol={atol} at {len(bad)} of {len(mine)} indices; "
+        f"first at index {first}: {mine[first]!r} vs {reference[first]!r}; worst at index "
+        f"{worst}: {mine[worst]!r} vs {reference[worst]!r}"
     )
 
 
@@ -385,7 +398,17 @@ class BackendContract:
     backend and its world size that must continue the run), ``workload`` (``"module:Class"``),
     ``plugin`` (``"module:attribute"`` of a plugin object every rank registers, for a backend
     registered in-process), ``env`` (added to the ranks' environment), ``gpu`` / ``slow`` (mark
-    every case), ``timeout`` (seconds per launch), ``path`` (more folders the ranks import from).
+    every case), ``timeout`` (seconds per launch), ``path`` (more folders the ranks import from),
+    ``steps`` / ``save_at`` (optimizer steps per run, and the step after which the largest run
+    saves), ``tolerance`` ((rtol, atol); None: by precision, :data:`TOLERANCES`), ``reference``
+    (``"module:function"`` of the run to match, :func:`raw_reference` by default), ``lossy`` and
+    ``resume_tolerance`` (a backend that computes something else on purpose, below).
+
+    A *lossy* backend (gradient compression) declares ``lossy = True`` and its ``tolerance``
+    against the reference; set ``save_at`` after its compression starts, so that the checkpoint
+    holds live state. Its resumes are compared with its own uninterrupted run, and where the
+    checkpoint was saved (same world size) with ``resume_tolerance``, exact by default: a
+    backend that holds all of its state resumes bit for bit.
     """
 
     backend: ClassVar[str] = ""
@@ -406,13 +429,25 @@ class BackendContract:
     known_host_syncs: ClassVar[str | None] = None
     #: extra folders the ranks import ``plugin`` / ``workload`` from
     path: ClassVar[tuple[str, ...]] = ()
+    #: optimizer steps per run, and the step after which the largest run saves its checkpoint
+    steps: ClassVar[int] = STEPS
+    save_at: ClassVar[int] = SAVE_AT
+    #: (rtol, atol) against the reference and across resumes; None: by precision (TOLERANCES)
+    tolerance: ClassVar[tuple[float, float] | None] = None
+    #: "module:function(workload, steps)" of the run to match; None: the raw loop, raw_reference
+    reference: ClassVar[str | None] = None
+    #: the backend computes something else than the reference on purpose (compression): it
+    #: must declare ``tolerance``; ``resume_tolerance`` then defaults to exact
+    lossy: ClassVar[bool] = False
+    #: (rtol, atol) of a resume at the saved world size against the uninterrupted run; None:
+    #: exact where ``lossy``, else ``tolerance``
+    resume_tolerance: ClassVar[tuple[float, float] | None] = None
 
     # ---- parametrisation and marks -----------------------------------------------------------
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         """Each contract once per world size it concerns; multi-rank resumes are ``slow``."""
         cls = type(self)
-        if not cls.backend:
-            raise TypeError(f"{cls.__name__}: set the class attribute 'backend'")
+        cls.check_attributes()
         base = ([pytest.mark.gpu] if cls.gpu else []) + ([pytest.mark.slow] if cls.slow else [])
         slow = [*base, pytest.mark.slow]
         representative = self.representative_size()
@@ -430,9 +465,28 @@ class BackendContract:
             ]
             metafunc.parametrize("resume_size", params)
         else:  # the probe rides on the representative run; a resume is a launch of its own
-            resumes = metafunc.function.__name__ == "test_cross_backend_resume"
+            resumes = metafunc.function.__name__ in (
+                "test_cross_backend_resume",
+                "test_checkpoint_resumes_where_it_was_saved",
+            )
             marks = slow if resumes else base
             metafunc.parametrize("one", [pytest.param(1, id=cls.backend, marks=marks)])
+
+    @classmethod
+    def check_attributes(cls) -> None:
+        """Refuse a class whose attributes cannot make a contract, saying which."""
+        if not cls.backend:
+            raise TypeError(f"{cls.__name__}: set the class attribute 'backend'")
+        if not 0 < cls.save_at < cls.steps:
+            raise TypeError(
+                f"{cls.__name__}: save_at must lie between 0 and steps ({cls.steps}), "
+                f"got {cls.save_at}"
+            )
+        if cls.lossy and cls.tolerance is None:
+            raise TypeError(
+                f"{cls.__name__}: a lossy backend declares its tolerance (rtol, atol) against "
+                "the reference"
+            )
 
     @classmethod
     def representative_size(cls) -> int:
@@ -486,6 +540,8 @@ class BackendContract:
             precision=cls.precision,
             workload=cls.workload,
             plugin=cls.plugin,
+            steps=cls.steps,
+            save_at=cls.save_at,
             **kwargs,
         )
 
@@ -515,15 +571,36 @@ class BackendContract:
         """What rank 0 of the representative run found before it trained (one launch less)."""
         return self.trained(self.representative_size())[0]["probe"]
 
-    def reference(self) -> dict[str, Any]:
-        key = ("reference", type(self).workload)
+    def reference_run(self) -> dict[str, Any]:
+        """What the backend's run must match: ``reference`` (the raw loop by default)."""
+        cls = type(self)
+        key = ("reference", cls.reference, cls.workload, cls.steps)
         if key not in _CACHE:
-            _CACHE[key] = raw_reference(type(self).workload)
+            run = _import(cls.reference) if cls.reference else raw_reference
+            _CACHE[key] = run(cls.workload, cls.steps)
         return _CACHE[key]
 
-    @property
-    def tolerance(self) -> tuple[float, float]:
-        return TOLERANCES[type(self).precision or "32-true"]
+    def tolerances(self) -> tuple[float, float]:
+        """(rtol, atol) against the reference and across resumes."""
+        cls = type(self)
+        return cls.tolerance or TOLERANCES[cls.precision or "32-true"]
+
+    def resume_tolerances(self) -> tuple[float, float]:
+        """(rtol, atol) of a resume at the saved world size."""
+        cls = type(self)
+        if cls.resume_tolerance is not None:
+            return cls.resume_tolerance
+        return (0.0, 0.0) if cls.lossy else self.tolerances()
+
+    def _resumed_from(
+        self, saved: dict[str, Any], resumed: list[Any], what: str, tolerance: tuple[float, float]
+    ) -> None:
+        """Every rank of a resumed run continues ``saved`` (the uninterrupted run)."""
+        tail = saved["losses"][type(self).save_at * ACCUMULATION :]
+        for rank, result in enumerate(resumed):
+            where = f"{what} rank {rank} of {len(resumed)}, resumed"
+            _close(result["losses"], tail, tolerance, f"{where}: losses")
+            _close_params(result["params"], saved["params"], tolerance, f"{where}: weights")
 
     # ---- the contracts -----------------------------------------------------------------------
     def test_setup_returns_torch_optimizers(self, world_size: int) -> None:
@@ -535,17 +612,18 @@ class BackendContract:
             )
 
     def test_accumulation_and_clipping_match_a_raw_loop(self, world_size: int) -> None:
-        raw = self.reference()
+        raw = self.reference_run()
         assert min(raw["norms"]) > CLIP, "the reference never clipped: the check would be blind"
+        tolerance = self.tolerances()
         for rank, result in enumerate(self.trained(world_size)):
             what = f"rank {rank} of {world_size}"
-            _close(result["losses"], raw["losses"], self.tolerance, f"{what}: losses")
-            _close(result["norms"], raw["norms"], self.tolerance, f"{what}: pre-clip norms")
-            _close_params(result["params"], raw["params"], self.tolerance, f"{what}: weights")
+            _close(result["losses"], raw["losses"], tolerance, f"{what}: losses")
+            _close(result["norms"], raw["norms"], tolerance, f"{what}: pre-clip norms")
+            _close_params(result["params"], raw["params"], tolerance, f"{what}: weights")
 
     def test_grad_norm_is_a_device_tensor_without_host_sync(self, world_size: int) -> None:
         for rank, result in enumerate(self.trained(world_size)):
-            assert len(result["norm_kinds"]) == STEPS
+            assert len(result["norm_kinds"]) == type(self).steps
             for kind, dim, device in result["norm_kinds"]:
                 assert (kind, dim) == ("Tensor", 0), f"rank {rank}: grad_norm is {kind} ({dim}-d)"
                 assert device == result["device"], f"rank {rank}: grad_norm on {device}"
@@ -562,17 +640,17 @@ class BackendContract:
                 f"rank {rank}: host syncs in the steps that computed grad_norm: {sites}"
             )
 
+    def test_checkpoint_resumes_where_it_was_saved(self, one: int) -> None:
+        """Saved after ``save_at`` steps (past a lossy backend's compression start, so with its
+        live per-rank state) and resumed at the same world size: the run goes on as if never
+        stopped, exactly for a lossy backend."""
+        saved_at = max(type(self).world_sizes)
+        unbroken = self.trained(saved_at)[0]
+        self._resumed_from(unbroken, self.resumed(saved_at), "", self.resume_tolerances())
+
     def test_checkpoint_resumes_at_another_world_size(self, resume_size: int) -> None:
         unbroken = self.trained(max(type(self).world_sizes))[0]
-        for rank, result in enumerate(self.resumed(resume_size)):
-            what = f"rank {rank} of {resume_size}, resumed"
-            _close(
-                result["losses"],
-                unbroken["losses"][SAVE_AT * ACCUMULATION :],
-                self.tolerance,
-                f"{what}: losses",
-            )
-            _close_params(result["params"], unbroken["params"], self.tolerance, f"{what}: weights")
+        self._resumed_from(unbroken, self.resumed(resume_size), "", self.tolerances())
 
     def test_tampered_checkpoint_raises_checkpoint_error(self, resume_size: int) -> None:
         for rank, result in enumerate(self.resumed(resume_size)):
@@ -584,15 +662,10 @@ class BackendContract:
             pytest.skip("no core backend continues this backend's run")
         core, world = type(self).resume_with
         unbroken = self.trained(max(type(self).world_sizes))[0]
-        for rank, result in enumerate(self.resumed(world, backend=core)):
-            what = f"{core} rank {rank} of {world}, resumed from {type(self).backend}"
-            _close(
-                result["losses"],
-                unbroken["losses"][SAVE_AT * ACCUMULATION :],
-                self.tolerance,
-                f"{what}: losses",
-            )
-            _close_params(result["params"], unbroken["params"], self.tolerance, f"{what}: weights")
+        resumed = self.resumed(world, backend=core)
+        self._resumed_from(
+            unbroken, resumed, f"{core} from {type(self).backend}: ", self.tolerances()
+        )
 
     def test_listing_backends_imports_no_backend_library(self, one: int) -> None:
         probe = self.probe()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
 import accelkit
+from accelkit.sdk import installed_versions
 from accelkit_apex.probe import INSTALL
 
 #: why both backends need a GPU (read by ``accelkit env`` and ``accelkit demo``)
@@ -40,11 +40,7 @@ def accelkit_register_backends(registry: Any) -> None:
 def accelkit_env_report() -> dict[str, Any]:
     from accelkit_apex.probe import env_report
 
-    try:
-        own = metadata.version("accelkit-apex")
-    except metadata.PackageNotFoundError:
-        own = None
-    return {**env_report(), "accelkit-apex": own}
+    return {**env_report(), **installed_versions("accelkit-apex")}
 
 
 @accelkit.hookimpl

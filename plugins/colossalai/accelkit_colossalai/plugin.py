@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import shlex
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import accelkit
+from accelkit.sdk import installed_versions
 
 #: colossalai pins torch<=2.5.1, so its script installs it without dependency resolution, next to
 #: the interpreter that runs accelkit (the plugin is installed: this module runs)
@@ -80,13 +80,7 @@ def accelkit_checkpoint_importers() -> dict[str, Any]:
 
 @accelkit.hookimpl
 def accelkit_env_report() -> dict[str, Any]:
-    versions: dict[str, Any] = {}
-    for dist_name in ("colossalai", "accelkit-colossalai", "transformers", "peft"):
-        try:
-            versions[dist_name] = metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            versions[dist_name] = None
-    return versions
+    return installed_versions("colossalai", "accelkit-colossalai", "transformers", "peft")
 
 
 @accelkit.hookimpl

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
 import accelkit
-from accelkit.sdk import pip_install
+from accelkit.sdk import installed_versions, pip_install
 
 FACTORY = "accelkit_deepspeed.backend:DeepSpeedBackend"
 #: the plugin is installed (this module runs), so only its library can be missing; 0.19.8 is the
@@ -41,13 +40,7 @@ def accelkit_register_backends(registry: Any) -> None:
 
 @accelkit.hookimpl
 def accelkit_env_report() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {"deepspeed": version("deepspeed"), "accelkit-deepspeed": version("accelkit-deepspeed")}
+    return installed_versions("deepspeed", "accelkit-deepspeed")
 
 
 @accelkit.hookimpl

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
 
 import accelkit
-from accelkit.sdk import pip_install
+from accelkit.sdk import installed_versions, pip_install
 
 #: the plugin is installed (this module runs), so only its library can be missing
 _INSTALL = pip_install("fairscale==0.4.13")
@@ -42,13 +41,7 @@ def accelkit_register_backends(registry: Any) -> None:
 
 @accelkit.hookimpl
 def accelkit_env_report() -> dict[str, Any]:
-    versions: dict[str, Any] = {}
-    for dist_name in ("fairscale", "accelkit-fairscale"):
-        try:
-            versions[dist_name] = metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            versions[dist_name] = None
-    return versions
+    return installed_versions("fairscale", "accelkit-fairscale")
 
 
 @accelkit.hookimpl

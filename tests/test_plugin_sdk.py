@@ -1,0 +1,105 @@
+"""What a third-party plugin author relies on beyond the protocol (issue 40): an unknown
+precision lists the backend's own precisions, the conformance suite's failures name the first
+index that differs and its attributes are checked, its markers work in a test suite outside this
+repository, and ``sdk.installed_versions`` reads versions without importing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+import accelkit
+from accelkit import sdk
+from accelkit.testing import conformance
+
+
+class Fp32OnlyBackend(sdk.SingleDeviceBackend):
+    capabilities = sdk.Capabilities(precisions=("32-true",))
+
+
+class Fp32OnlyPlugin:
+    @accelkit.hookimpl
+    def accelkit_register_backends(self, registry: Any) -> None:
+        registry.add("fp32_only", Fp32OnlyBackend)
+
+
+def test_an_unknown_precision_lists_the_backends_precisions_only():
+    accelkit.register_plugin(Fp32OnlyPlugin(), "fp32_only")
+    with pytest.raises(accelkit.ConfigError) as caught:
+        accelkit.get("fp32_only", precision="fp33")
+    message = str(caught.value)
+    assert "unknown precision 'fp33'. Valid precisions: 32-true (aliases: 32, fp32)" in message
+    assert "bf16" not in message
+
+
+def test_a_failure_names_the_first_index_that_differs():
+    reference = [1.0] * 10
+    mine = [1.0] * 7 + [1.5, 1.0, 3.0]  # equal in the first 6: the old message showed no change
+    with pytest.raises(AssertionError) as caught:
+        conformance._close(mine, reference, (1e-5, 1e-6), "losses")
+    message = str(caught.value)
+    assert "at 2 of 10 indices; first at index 7: 1.5 vs 1.0; worst at index 9: 3.0" in message
+    conformance._close(reference, reference, (0.0, 0.0), "losses")  # equal lists pass exactly
+
+
+@pytest.mark.parametrize(
+    "attributes, needle",
+    [
+        ({"lossy": True}, "declares its tolerance"),
+        ({"save_at": 4}, "save_at must lie between 0 and steps (4)"),
+        ({"steps": 6, "save_at": 0}, "save_at must lie between"),
+    ],
+)
+def test_a_contract_with_attributes_that_cannot_work_is_refused(attributes, needle):
+    contract = conformance.backend_contract("cpu", **attributes)
+    with pytest.raises(TypeError, match=r"CpuContract") as caught:
+        contract.check_attributes()
+    assert needle in str(caught.value)
+
+
+def test_lossy_resumes_are_exact_unless_told_otherwise():
+    lossy = conformance.backend_contract("cpu", lossy=True, tolerance=(1e-2, 1e-3))()
+    assert lossy.tolerances() == (1e-2, 1e-3)
+    assert lossy.resume_tolerances() == (0.0, 0.0)
+    plain = conformance.backend_contract("cpu")()
+    assert plain.resume_tolerances() == plain.tolerances() == conformance.TOLERANCES["32-true"]
+
+
+def test_the_markers_work_in_a_test_suite_outside_the_repository(tmp_path):
+    (tmp_path / "test_outside.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+            from accelkit.testing.conformance import backend_contract
+
+            TestCpuContract = backend_contract("cpu", world_sizes=(1,), resume_world_sizes=(1,))
+
+            @pytest.mark.slow
+            def test_own_slow_case():
+                pass
+            """
+        )
+    )
+    run = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+    run += ["-W", "error::pytest.PytestUnknownMarkWarning", "test_outside.py"]
+    pick = ["-k", "resumes_at_another or own_slow"]
+    out = subprocess.run([*run, *pick], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 passed, 1 skipped" in out.stdout, out.stdout  # the contract's slow case is skipped
+    assert "run with -m slow" in out.stdout
+    slow = [*run, "-m", "slow", "-k", "own_slow"]
+    out = subprocess.run(slow, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout + out.stderr
+
+
+def test_installed_versions_reads_metadata_without_importing():
+    versions = sdk.installed_versions("torch", "no-such-distribution-kq")
+    assert versions["torch"].split("+")[0] == __import__("torch").__version__.split("+")[0]
+    assert versions["no-such-distribution-kq"] is None
+    code = "import sys; from accelkit import sdk; sdk.installed_versions('numpy'); print('numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
