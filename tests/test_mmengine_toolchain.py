@@ -435,6 +435,30 @@ def test_a_pth_file_still_goes_to_mmengines_loader(cpu_run: Path) -> None:
     _assert_same_tensors(loaded["model"], _weights(cpu_run, "ak"))
 
 
+def test_map_location_places_the_tensors_as_torch_load_would(cpu_run: Path) -> None:
+    """``map_location`` as ``torch.load`` takes it: a device (``meta`` stands in for an
+    accelerator here), a dict mapping ``'cpu'``, a callable, or None (the CPU)."""
+    import torch
+    from mmengine.runner.checkpoint import _load_checkpoint
+
+    import accelkit.integrations.mmengine  # noqa: F401  what custom_imports does
+
+    path = str(cpu_run / "ak" / "epoch_2.pth")
+
+    def devices(checkpoint: dict) -> set[str]:
+        tensors = list(checkpoint["state_dict"].values())
+        tensors += [t for s in checkpoint["optimizer"]["state"].values() for t in s.values()]
+        return {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+
+    assert devices(_load_checkpoint(path, map_location=None)) == {"cpu"}
+    assert devices(_load_checkpoint(path, map_location="meta")) == {"meta"}
+    assert devices(_load_checkpoint(path, map_location=torch.device("meta"))) == {"meta"}
+    assert devices(_load_checkpoint(path, map_location={"cpu": "meta"})) == {"meta"}
+    assert devices(_load_checkpoint(path, map_location=lambda storage, location: storage)) == {
+        "cpu"
+    }
+
+
 def test_published_model_is_written_and_opens(cpu_run: Path) -> None:
     """``CheckpointHook(published_keys=...)`` reads the last checkpoint through MMEngine's
     loader: it now publishes ``epoch_2-<sha>.pth``, a file any MMEngine opens."""
