@@ -41,14 +41,18 @@ import ctypes.util
 import hashlib
 import json
 import mmap
+import queue
 import signal
 import socket
 import struct
+import threading
 import time
 
 #: bytes per write call: each piece goes to writeback and is hashed while still in cache
 PIECE = 8 << 20
 SYNC_FILE_RANGE_WRITE = 2
+#: pieces written but not yet checksummed, at most (the hash runs a piece behind the writes)
+HASH_QUEUE = 4
 #: the least time between two progress reports of one request
 PROGRESS_EVERY_S = 0.5
 #: the largest frame either side accepts (a request lists every tensor of a rank file)
@@ -136,17 +140,49 @@ def die_with_parent(parent):
     return os.getppid() == parent
 
 
+def _checksum_pieces(pieces, algorithm, digests, times, cancelled):
+    """Hash the pieces queued by :func:`write`, in order: ``(key, piece)`` feeds key's hasher,
+    ``(key, None)`` closes it, ``None`` ends. Runs beside the writes (xxhash releases the GIL)."""
+    hasher = None
+    while (item := pieces.get()) is not None:
+        key, piece = item
+        if piece is None:
+            digests[key] = (hasher or _hasher(algorithm)).hexdigest()
+            hasher = None
+            continue
+        if not cancelled.is_set():
+            hasher = hasher or _hasher(algorithm)
+            started = time.perf_counter()
+            hasher.update(piece)
+            times["checksum"] += time.perf_counter() - started
+        piece.release()
+
+
 def write(buffer, request, fd, writeback, parent, report):
-    """Write ``request``'s items into the open file ``fd``; ``report(bytes)`` after each piece."""
+    """Write ``request``'s items into the open file ``fd``; ``report(bytes)`` after each piece.
+
+    Each piece is checksummed on a second thread while the next is written, so a save takes
+    the longer of writing and hashing rather than their sum (on the H200 the two in sequence
+    made the process-written save 1.4x as long as the in-process threads' one).
+    """
+    _hasher(request["algorithm"])  # an unknown algorithm fails before anything is written
     times = {"pwrite": 0.0, "checksum": 0.0, "fsync": 0.0}
     digests = {}
     view = memoryview(buffer)
+    pieces = queue.Queue(maxsize=HASH_QUEUE)
+    cancelled = threading.Event()
+    hashing = threading.Thread(
+        target=_checksum_pieces,
+        args=(pieces, request["algorithm"], digests, times, cancelled),
+        name="accelkit-checksum",
+        daemon=True,
+    )
+    hashing.start()
     done = 0
     try:
         for file_offset, buffer_offset, nbytes, key in request["items"]:
             if buffer_offset < 0 or buffer_offset + nbytes > len(view):
                 raise ValueError(f"{key}: bytes [{buffer_offset}, +{nbytes}) are outside staging")
-            hasher = _hasher(request["algorithm"])
             for lo in range(0, nbytes, PIECE):
                 if os.getppid() != parent:  # nothing written now could be wanted
                     raise ParentGone
@@ -155,17 +191,21 @@ def write(buffer, request, fd, writeback, parent, report):
                 pwrite_all(fd, piece, file_offset + lo)
                 if writeback is not None:
                     writeback(fd, file_offset + lo, len(piece), SYNC_FILE_RANGE_WRITE)
-                written = time.perf_counter()
-                hasher.update(piece)
-                times["pwrite"] += written - started
-                times["checksum"] += time.perf_counter() - written
+                times["pwrite"] += time.perf_counter() - started
                 done += len(piece)
-                piece.release()
+                pieces.put((key, piece))
                 report(done)
-            digests[key] = hasher.hexdigest()
+            pieces.put((key, None))
+        pieces.put(None)
+        hashing.join()
         started = time.perf_counter()
         os.fsync(fd)
         times["fsync"] = time.perf_counter() - started
+    except BaseException:
+        cancelled.set()  # the hasher drops what is queued and ends
+        pieces.put(None)
+        hashing.join()
+        raise
     finally:
         view.release()
     return {"digests": digests, **times}
