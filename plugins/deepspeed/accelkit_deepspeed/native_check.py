@@ -5,8 +5,9 @@ at 1.0) and reports a nested one (``zero_optimization.stgae``) only when the eng
 as a pydantic dump. This runs DeepSpeed's config parser (``DeepSpeedConfig._initialize_params``)
 on the user's config before anything is built:
 
-* a top-level key is known when the parser reads it (recorded on a parse of an empty config)
-  or is one of :data:`~accelkit_deepspeed.config.NATIVE_KEYS` (keys the engine reads itself);
+* a top-level key is known when the parser reads it (recorded on a parse of an empty config),
+  :data:`READ_ELSEWHERE`, or one of :data:`~accelkit_deepspeed.config.NATIVE_KEYS` (keys the
+  engine reads itself);
 * the sections DeepSpeed validates with its pydantic models (``zero_optimization``, ``bf16``,
   ``fp16``, the monitors, ``compile``, ...) are parsed one at a time, and each
   ``extra_forbidden`` error names its path and the nearest field of that model;
@@ -20,11 +21,17 @@ DeepSpeed. Imports DeepSpeed: the backend runs it in ``launch()``, which imports
 from __future__ import annotations
 
 import functools
+import logging
 import typing
 from typing import Any
 
 from accelkit.sdk import ConfigError, closest
 from accelkit_deepspeed.config import NATIVE_KEYS
+
+log = logging.getLogger("accelkit")
+
+#: top-level keys DeepSpeed reads outside the parser (DeepSpeedConfig.__init__, its printout)
+READ_ELSEWHERE = frozenset({"sequence_parallel_size", "vocabulary_size"})
 
 #: sections the parser reads key by key from a plain dict (no pydantic model)
 READ_SECTIONS = ("activation_checkpointing", "flops_profiler")
@@ -83,7 +90,7 @@ def _parse(config: dict[str, Any]) -> set[tuple[str, ...]]:
 @functools.cache
 def known_top_level_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed's parser reads, and those its engine reads itself."""
-    return frozenset(path[0] for path in _parse({})) | NATIVE_KEYS
+    return frozenset(path[0] for path in _parse({})) | NATIVE_KEYS | READ_ELSEWHERE
 
 
 def _model_of(annotation: Any) -> Any:
@@ -159,7 +166,11 @@ def check(owner: str, config: dict[str, Any] | None) -> None:
     """Raise :class:`~accelkit.errors.ConfigError` naming every unknown key of ``config``."""
     if not config:
         return
-    found = unknown_keys(config)
+    try:
+        found = unknown_keys(config)
+    except Exception as err:  # another DeepSpeed's parser: leave the config to DeepSpeed
+        log.debug("the native config's keys were not checked: %s", err)
+        return
     if not found:
         return
     parts = [f"{path!r}" + (f" (did you mean {hint!r}?)" if hint else "") for path, hint in found]

@@ -22,6 +22,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "activation_checkpointing": {"partition_activations": False},
         "steps_per_print": 100,
+        "sequence_parallel_size": 1,  # read by DeepSpeedConfig itself, not its parser
     },
 }
 
