@@ -1,11 +1,15 @@
 """How the ranks of one save wait for each other, each wait bounded.
 
-A save runs in three steps, whatever it writes to (a directory, or object storage):
+The heart of a save, whatever it writes to (a directory, or object storage):
 
 1. every rank writes (or uploads) its shards, inside :func:`working`;
 2. every rank reports: a roll call (:func:`report`), then the records (or errors) go to rank 0;
 3. rank 0 writes the manifest and commits, inside :func:`working`; every rank learns the
    outcome through another :func:`report`.
+
+The steps before it (rank 0 prepares the location, every rank plans and snapshots its share)
+close the same way. The disk writer's steps are named ``started``, ``prepared``, ``planned``,
+``written`` and ``committed``.
 
 A rank that died, or never called ``save()``, must not keep the others waiting for the training
 group's timeout (30 minutes by default), and a rank that is still writing a large file to a slow

@@ -458,16 +458,19 @@ def save(
     distributed.refuse_different(
         str(path), "checkpoint paths to save()", _SAME_PATH, CheckpointError
     )
+    what = f"saving {path}"
+    group = commit.commit_group()  # every collective of the save runs on it, bounded
     token, error = None, None
     with profile.phase("prepare"):
         if rank == 0:
             try:
-                token = storage.prepare(path)
+                with commit.working("prepared"):  # a long sweep is not a dead rank 0
+                    token = storage.prepare(path)
             except Exception as err:
                 error = err
-        agree(error, f"saving {path}")
-        token = distributed.broadcast_object(token, 0)
-        sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token))
+        commit.report("prepared", error, what, group)
+        token = distributed.all_gather_object(token, group)[0]
+        sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token), group)
     if not all(sees):
         blind = [r for r, ok in enumerate(sees) if not ok]
         raise CheckpointError(
@@ -478,20 +481,20 @@ def save(
 
     planned, error = None, None
     try:
-        with profile.phase("plan"):
-            record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
-        if asynchronous:
-            with profile.phase("stage"):
-                to_write = background.snapshot(to_write)
+        with commit.working("planned"):  # pinning a large first snapshot takes its time
+            with profile.phase("plan"):
+                record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
+            if asynchronous:
+                with profile.phase("stage"):
+                    to_write = background.snapshot(to_write)
         planned = (record, to_write)
     except Exception as err:
         error = err
-    agree(error, f"saving {path}")
+    commit.report("planned", error, what, group)
     assert planned is not None
     job = (backend, counters, path, *planned, list(state), step)
     options = {"checksum": checksum, "exclude_frozen": exclude_frozen, "profile": profile}
     options.update(latest=latest, keep_last=keep_last, started=started)
-    group = commit.commit_group()
     if asynchronous:
         background.start(path, lambda: _write_and_commit(*job, group=group, **options))
         if rank == 0:
