@@ -83,6 +83,7 @@ def test_an_error_of_every_rank_prints_one_traceback(tmp_path):
     assert err.count("RuntimeError: every rank fails the same way") == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source,args", [(RAISE, ("every-rank",)), (SAVE, ("per-rank",))])
 def test_every_traceback_on_request(tmp_path, source, args):
     """The negative twin: with ACCELKIT_EVERY_TRACEBACK=1 each rank prints its own."""
