@@ -217,7 +217,7 @@ class Backend:
     def parse_precision(cls, name: str, precision: str | int | None) -> str | None:
         """The canonical string for the user's ``precision=`` (None stays None). A backend
         overrides this to explain a value its own library took (Apex's ``"O1"``) before the
-        generic unknown-precision error."""
+        generic unknown-precision error, which lists ``capabilities.precisions``."""
         return normalize_precision(precision, cls.capabilities.precisions)
 
     @classmethod

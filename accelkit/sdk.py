@@ -9,7 +9,9 @@ The groups:
 
 - the backend protocol: :class:`Backend` (its hooks are documented where they are declared),
   :class:`Capabilities`, :class:`Settings`, :class:`SetupResult`, :class:`StepResult`, and the
-  torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend`);
+  torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend` with
+  :class:`DDPWrapOptions` / :class:`CommHookOptions`; docs/plugins.md, "Building on a native
+  backend");
 - launch: :class:`DistributedBackend` (device pick, process group, ``timeout``) with its
   :class:`DistributedOptions` / :class:`ProcessGroupOptions`, :func:`init_process_group`,
   :func:`local_rank`, :func:`is_initialized`, :data:`DEFAULT_TIMEOUT_S`;

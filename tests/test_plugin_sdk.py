@@ -5,9 +5,11 @@ repository, and ``sdk.installed_versions`` reads versions without importing."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,3 +105,59 @@ def test_installed_versions_reads_metadata_without_importing():
     code = "import sys; from accelkit import sdk; sdk.installed_versions('numpy'); print('numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---- the worked example of docs/plugins.md, "Building on a native backend" -----------------
+FORGETFUL = '''
+import accelkit
+from ef16_example import EF16Backend
+
+
+class ForgetfulBackend(EF16Backend):
+    """ddp_ef16, except that it does not save its residuals: its resume cannot be exact."""
+
+    def rank_state_dict(self):
+        return {}
+
+
+class ForgetfulPlugin:
+    @accelkit.hookimpl
+    def accelkit_register_backends(self, registry):
+        registry.add("ddp_ef16_forgetful", ForgetfulBackend)
+'''
+
+
+def _docs_block(containing: str) -> str:
+    """The ```python block of docs/plugins.md that holds ``containing``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+    (block,) = [b for b in blocks if containing in b]
+    return block
+
+
+@pytest.mark.slow
+def test_the_lossy_contract_holds_the_example_and_fails_what_breaks_it(tmp_path):
+    (tmp_path / "ef16_example.py").write_text(_docs_block("class EF16Backend"))
+    (tmp_path / "ef16_forgetful.py").write_text(FORGETFUL)
+    common = {"path": (str(tmp_path),), "steps": 5, "save_at": 3}
+    lossy = {**common, "world_sizes": (2,), "lossy": True, "tolerance": (1e-3, 1e-4)}
+    sys.path.insert(0, str(tmp_path))
+    try:
+        example = conformance.backend_contract(
+            "ddp_ef16", plugin="ef16_example:EF16Plugin", **lossy
+        )()
+        example.test_accumulation_and_clipping_match_a_raw_loop(2)
+        example.test_checkpoint_resumes_where_it_was_saved(1)  # bit for bit
+        # the declared mode is needed: at 32-true's tolerance the raw loop is out of reach
+        strict = conformance.backend_contract(
+            "ddp_ef16", plugin="ef16_example:EF16Plugin", world_sizes=(1,), **common
+        )()
+        with pytest.raises(AssertionError, match="first at index"):
+            strict.test_accumulation_and_clipping_match_a_raw_loop(1)
+        forgetful = conformance.backend_contract(
+            "ddp_ef16_forgetful", plugin="ef16_forgetful:ForgetfulPlugin", **lossy
+        )()
+        with pytest.raises(AssertionError, match="resumed: losses differ"):
+            forgetful.test_checkpoint_resumes_where_it_was_saved(1)
+    finally:
+        sys.path.remove(str(tmp_path))
