@@ -69,7 +69,7 @@ def ours(
             accel.save(save, state)
     out = {
         "params": [p.detach().reshape(-1).tolist() for p in accel.unwrap(model).parameters()],
-        "powersgd_iter": getattr(accel.backend._powersgd, "iter", None),
+        "powersgd_iter": getattr(getattr(accel.backend._powersgd, "state", None), "iter", None),
     }
     accel.end_training()
     return out
