@@ -736,21 +736,31 @@ def test_build_optim_wrapper_builds_a_new_wrapper_each_call_as_mmengine(tmp_path
 # ---- test-time augmentation both ways, against plain MMEngine (default tier) ------------------
 @pytest.fixture(scope="module")
 def tta_runs(cpu_run: Path) -> Path:
-    """Plain MMEngine and AccelkitRunner test the same trained weights with TTA, config-level
-    (``model = dict(**tta_model, module=model)``, as ``tools/test.py --tta`` builds it) and with
-    ``PrepareTTAHook``, and without TTA (so that the comparison can tell TTA from none).
-    AccelkitRunner loads the run's checkpoint directory, plain MMEngine its weights file."""
+    """Plain MMEngine and accelkit (Runner and FlexibleRunner each) test the same trained
+    weights with TTA, config-level (``model = dict(**tta_model, module=model)``, as
+    ``tools/test.py --tta`` builds it) and with ``PrepareTTAHook``, and without TTA (so that the
+    comparison can tell TTA from none). accelkit loads the run's checkpoint directory, plain
+    MMEngine its weights file."""
+    import torch
+
     root = cpu_run
-    weights, directory = str(root / "ak.weights.pt"), str(root / "ak" / "epoch_2.pth")
+    # MMEngine's FlexibleRunner reads checkpoint['state_dict'] only: the weights in that layout
+    torch.save({"state_dict": _weights(root, "ak")}, root / "ak.state.pth")
+    weights, directory = str(root / "ak.state.pth"), str(root / "ak" / "epoch_2.pth")
     modes = {"tta_cfg": "config", "tta_hook": "hook", "plain": False}
     _run(
         root,
         "reference_driver.py",
         [
             dict(
-                name=f"ref_{m}", work_dir=f"ref_{m}", kw=dict(load_from=weights, tta=t), mode="test"
+                name=f"{prefix}_{m}",
+                work_dir=f"{prefix}_{m}",
+                kw=dict(load_from=weights, tta=t),
+                mode="test",
+                runner=runner,
             )
             for m, t in modes.items()
+            for prefix, runner in (("ref", "runner"), ("flexref", "flexible"))
         ],
     )
     _run(
@@ -758,13 +768,15 @@ def tta_runs(cpu_run: Path) -> Path:
         "accelkit_driver.py",
         [
             dict(
-                name=f"ak_{m}",
-                work_dir=f"ak_{m}",
+                name=f"{prefix}_{m}",
+                work_dir=f"{prefix}_{m}",
                 kw=dict(load_from=directory, tta=t),
                 mode="test",
                 accelkit=dict(backend="cpu"),
+                runner=runner,
             )
             for m, t in modes.items()
+            for prefix, runner in (("ak", "runner"), ("flexak", "flexible"))
         ],
     )
     return root
@@ -775,8 +787,13 @@ def _metric(root: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["tta_cfg", "tta_hook", "plain"])
-def test_test_time_augmentation_gives_mmengines_metric(tta_runs: Path, mode: str) -> None:
-    assert _metric(tta_runs, f"ak_{mode}") == _metric(tta_runs, f"ref_{mode}")
+@pytest.mark.parametrize(("ours", "theirs"), [("ak", "ref"), ("flexak", "flexref")])
+def test_test_time_augmentation_gives_mmengines_metric(
+    tta_runs: Path, mode: str, ours: str, theirs: str
+) -> None:
+    """AccelkitRunner against MMEngine's Runner, FlexibleRunner with AccelkitStrategy against
+    FlexibleRunner with its default strategy."""
+    assert _metric(tta_runs, f"{ours}_{mode}") == _metric(tta_runs, f"{theirs}_{mode}")
 
 
 def test_the_tta_comparison_can_tell_tta_from_none(tta_runs: Path) -> None:
