@@ -53,6 +53,18 @@ def trainer_restarted(root: Path) -> None:
     accel.end_training()
 
 
+def interrupted(root: Path) -> None:
+    """Save once (the writer process starts), print its pid, wait for Ctrl-C."""
+    from accelkit.checkpoint import write_process
+
+    accel = accelkit.get("cpu", seed=0)
+    accel.save(root / "step-1", {"model": _model(1.0), "step": 1}, asynchronous=True)
+    accel.wait_for_save()
+    (writer,) = write_process._live
+    print(writer.process.pid, flush=True)
+    time.sleep(600)
+
+
 def ends_with_a_save_in_flight(root: Path, fails: bool) -> None:
     """The script's last call is an asynchronous save; ``fails``: its write fails (a full
     disk). The interpreter exits while it runs."""
@@ -123,5 +135,7 @@ if __name__ == "__main__":
         trainer_killed_mid_save(where)
     elif mode == "restarted":
         trainer_restarted(where)
+    elif mode == "interrupted":
+        interrupted(where)
     else:
         ends_with_a_save_in_flight(where, fails=mode == "exit-fails")

@@ -100,6 +100,22 @@ def test_a_stopped_writer_of_a_killed_run_never_touches_the_restarted_runs_check
     assert (tmp_path / "latest").read_text().strip() == "step-4"
 
 
+def test_ctrl_c_ends_the_trainer_and_its_writer_without_a_word_from_the_writer(tmp_path):
+    """Ctrl-C reaches the whole process group: the trainer stops with its KeyboardInterrupt,
+    the writer process ends with it and prints nothing."""
+    trainer = _run_trainer("interrupted", tmp_path, start_new_session=True)
+    try:
+        writer_pid = int(trainer.stdout.readline())
+        os.killpg(trainer.pid, signal.SIGINT)
+        _, err = trainer.communicate(timeout=LIVENESS_S)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert "KeyboardInterrupt" in err  # the trainer's own
+    assert "write_worker" not in err, err[-3000:]
+    _wait_for(lambda: _gone(writer_pid), "the writer ended")
+
+
 def test_the_writer_process_writes_only_into_the_file_handed_to_it(tmp_path):
     """A request's file is replaced by another of the same name (a restarted run's) while the
     writer is stopped: once continued, it writes into the file it was handed, and the new one

@@ -247,6 +247,8 @@ def main(argv):
     buffer_fd, nbytes, channel_fd, parent = (int(a) for a in argv[1:5])
     if not die_with_parent(parent):
         return 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group:
+    # the training process decides, and this one ends with it, saying nothing
     try:
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # below the training process
     except (AttributeError, OSError):
