@@ -526,3 +526,24 @@ def test_trainer_killed_mid_upload_leaves_nothing_loadable(s3):
     uploads = client.list_multipart_uploads(Bucket=s3.bucket, Prefix=f"{s3.prefix}/run/step-2")
     assert not uploads.get("Uploads")
     assert _latest(s3, "run") == "step-2"
+
+
+# ---- the documented example ------------------------------------------------------------------------
+def test_the_object_storage_example_of_the_docs_runs_against_the_server(s3, capsys):
+    """docs/checkpoint.md, "Object storage": the example's checkpoint calls, run as written
+    against this suite's server (the page's own run, tests/test_checkpoint_docs.py, starts a
+    server of its own in the block before)."""
+    import re
+
+    page = (HERE.parent / "docs" / "checkpoint.md").read_text()
+    section = page.split("## Object storage (`s3://`)")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    example = next(b for b in blocks if "s3://ckpts/demo-run" in b)
+    exec(compile(example, "docs/checkpoint.md[object storage]", "exec"), {"__name__": "docs"})
+    assert "committed checkpoint already" in capsys.readouterr().out
+    client = s3.client()
+    listed = client.list_objects_v2(Bucket=s3.bucket, Prefix="demo-run/")
+    keys = sorted(o["Key"] for o in listed.get("Contents", []))
+    assert "demo-run/latest" in keys
+    assert sorted({k.split("/")[1] for k in keys if k.count("/") == 2}) == ["step-2", "step-3"]
+    client.delete_objects(Bucket=s3.bucket, Delete={"Objects": [{"Key": k} for k in keys]})

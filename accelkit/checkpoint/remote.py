@@ -335,7 +335,7 @@ def fetched_pretrained(
 
 @contextmanager
 def local_paths(
-    src: str | os.PathLike,
+    src: str | os.PathLike | None,
     dst: str | os.PathLike | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[tuple[Any, Any, Any]]:
@@ -349,7 +349,7 @@ def local_paths(
     pairs: list[tuple[Path, Any]] = []
     with ExitStack() as stack:
         local_src: Any = src
-        source = objectstore.location(src)
+        source = None if src is None else objectstore.location(src)
         if source is not None:
             if holds_checkpoint(source, storage_options):
                 target = resolve(source, storage_options)

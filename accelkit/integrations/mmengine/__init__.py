@@ -14,7 +14,8 @@ Importing this package registers ``AccelkitRunner`` (RUNNERS), ``AccelkitStrateg
 (STRATEGIES), ``AccelkitOptimWrapper`` (OPTIM_WRAPPERS), ``AccelkitModelWrapper``
 (MODEL_WRAPPERS) and ``AccelkitCheckpointHook`` (HOOKS) in MMEngine's registries, and makes
 MMEngine's ``CheckpointLoader`` open accelkit checkpoint directories
-(:mod:`~accelkit.integrations.mmengine.checkpoint_loader`). It needs
+(:mod:`~accelkit.integrations.mmengine.checkpoint_loader`), and serves ``s3://`` to MMEngine's
+file layer (:mod:`~accelkit.integrations.mmengine.object_storage`). It needs
 ``pip install accelkit[mmengine]``; ``import accelkit`` alone never imports MMEngine.
 """
 
@@ -29,7 +30,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
         "accelkit.integrations.mmengine needs MMEngine: pip install 'accelkit[mmengine]'"
     ) from err
 
-from accelkit.integrations.mmengine import checkpoint_loader
+from accelkit.integrations.mmengine import checkpoint_loader, object_storage
 from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
 from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
@@ -37,6 +38,7 @@ from accelkit.integrations.mmengine.runner import AccelkitRunner
 from accelkit.integrations.mmengine.strategy import AccelkitStrategy
 
 checkpoint_loader.register()
+object_storage.register()  # s3:// paths for CheckpointHook(out_dir=...) and backend_args
 
 __all__ = [
     "AccelkitCheckpointHook",

@@ -264,12 +264,12 @@ class Bridge:
         model: AccelkitModelWrapper,
         optim_wrapper: AccelkitOptimWrapper | None,
         checkpoint: dict[str, Any],
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        """Write the portable checkpoint. The model's own weights come from the backend's
-        fragments; ``checkpoint['state_dict']`` (the hooks' view) is not stored, and EMAHook's
-        swap is undone so that ``ema_state_dict`` holds the averaged weights."""
-        if "://" in str(path):
-            raise CheckpointError(f"accelkit writes checkpoints to local paths, got {path!r}")
+        """Write the portable checkpoint (to a directory, or ``s3://`` with ``storage_options``
+        from ``backend_args``). The model's own weights come from the backend's fragments;
+        ``checkpoint['state_dict']`` (the hooks' view) is not stored, and EMAHook's swap is
+        undone so that ``ema_state_dict`` holds the averaged weights."""
         checkpoint = dict(checkpoint)
         view = checkpoint.pop("state_dict", None)
         ema = checkpoint.get("ema_state_dict")
@@ -283,6 +283,7 @@ class Bridge:
             optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
             checkpoint=checkpoint,
             step=checkpoint.get("meta", {}).get("iter"),
+            storage_options=storage_options,
         )
 
     def load(

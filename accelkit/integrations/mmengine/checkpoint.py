@@ -175,6 +175,10 @@ def decode(data: Any) -> Any:
 
 # ---- the portable checkpoint ---------------------------------------------------------------------
 def is_portable(path: str | os.PathLike) -> bool:
+    if str(path).startswith("s3://"):  # an accelkit checkpoint in object storage
+        from accelkit.integrations.mmengine.object_storage import holds_checkpoint
+
+        return holds_checkpoint(str(path))
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
@@ -198,8 +202,10 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     checkpoint: dict[str, Any],
     step: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's ``checkpoint`` dict.
+    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's ``checkpoint`` dict
+    (``storage_options``: an ``s3://`` path's, from ``backend_args``).
 
     The dict (meta, message hub, scheduler states, what hooks added) becomes tagged JSON with
     MMEngine's types; the tensors in it (a tensor metric in the message hub, EMAHook's
@@ -209,7 +215,8 @@ def save(
     if optimizer is not None:
         state["optimizer"] = optimizer
     state[EXTRA_KEY] = encode_lenient(checkpoint, "checkpoint", keep_tensors=True)
-    accel.save(path, state, step=step)
+    options = {} if storage_options is None else {"storage_options": storage_options}
+    accel.save(path, state, step=step, **options)
 
 
 def save_before_setup(
@@ -219,6 +226,7 @@ def save_before_setup(
     model: torch.nn.Module,
     checkpoint: dict[str, Any],
     before_save: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Save a model that ``train()``/``val()`` has not set up yet, as MMEngine's
     ``runner.save_checkpoint`` does before training: the weights as built, plus ``checkpoint``
@@ -247,7 +255,12 @@ def save_before_setup(
         extras = {EXTRA_KEY: encode_lenient(checkpoint, "checkpoint", keep_tensors=True)}
         step = checkpoint.get("meta", {}).get("iter")
         imported = Imported(tensors, objects, extras, f"mmengine:{accel.name}", step=step)
-        write_portable(imported, path, progress=False)
+        from accelkit.checkpoint.remote import local_paths
+
+        # an s3:// path: written locally, then uploaded with its manifest last
+        with local_paths(None, os.fspath(path), storage_options) as (_, local, publish):
+            write_portable(imported, local, progress=False)
+            publish(local)
     accel.barrier()
 
 

@@ -159,6 +159,12 @@ class AccelkitCheckpointHook(CheckpointHook):
         self.last_ckpt = self.file_backend.join_path(self.out_dir, ckpt_filename)
         runner.message_hub.update_info("last_ckpt", self.last_ckpt)
         save_format = getattr(self, "save_format", "accelkit")
+        if save_format != "accelkit" and str(self.out_dir).startswith("s3://"):
+            raise ConfigError(
+                f"CheckpointHook save_format={save_format!r} writes MMEngine's .pth beside the "
+                f"checkpoint on a local disk; out_dir {self.out_dir} is object storage: use "
+                "save_format='accelkit' there (`accelkit convert s3://... model.pth` exports one)"
+            )
         # 'pth': the directory is written under a hidden name, exported, then removed
         written = f".{ckpt_filename}.accelkit-staging" if save_format == "pth" else ckpt_filename
         runner.save_checkpoint(

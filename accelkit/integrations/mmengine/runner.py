@@ -28,6 +28,7 @@ from mmengine.utils import get_git_hash
 
 from accelkit.errors import ConfigError, UnsupportedError
 from accelkit.integrations.mmengine import checkpoint as ckpt
+from accelkit.integrations.mmengine import object_storage
 from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
 from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook, use_safe_rotation
@@ -260,9 +261,14 @@ class AccelkitRunner(Runner):
         by_epoch: bool = True,
         backend_args: dict | None = None,
     ) -> None:
-        """Write a portable checkpoint; every rank takes part (sharded backends need it)."""
-        if file_client_args is not None or backend_args is not None:
-            raise UnsupportedError("accelkit checkpoints are written to local paths only")
+        """Write a portable checkpoint; every rank takes part (sharded backends need it).
+        ``backend_args`` are an ``s3://`` ``out_dir``'s storage options (object_storage.py)."""
+        if file_client_args is not None:
+            raise UnsupportedError(
+                "file_client_args (deprecated by MMEngine) are not supported: pass backend_args "
+                "(the endpoint and credentials of an s3:// out_dir) instead"
+            )
+        options = object_storage.storage_options(backend_args)
         meta = {} if meta is None else meta
         if not isinstance(meta, dict):
             raise TypeError(f"meta should be a dict or None, but got {type(meta)}")
@@ -298,6 +304,7 @@ class AccelkitRunner(Runner):
                 model=self.model,
                 checkpoint=checkpoint,
                 before_save=lambda c: self.call_hook("before_save_checkpoint", checkpoint=c),
+                storage_options=options,
             )
             return
         view = self._bridge.hook_view(model)
@@ -309,4 +316,6 @@ class AccelkitRunner(Runner):
         optim_wrapper = self.optim_wrapper if save_optimizer else None
         if optim_wrapper is not None and not isinstance(optim_wrapper, AccelkitOptimWrapper):
             optim_wrapper = None
-        self._bridge.save(os.path.join(out_dir, filename), model, optim_wrapper, checkpoint)
+        self._bridge.save(
+            os.path.join(out_dir, filename), model, optim_wrapper, checkpoint, options
+        )

@@ -1,0 +1,144 @@
+"""``s3://`` for MMEngine's file layer: the ``accelkit_s3`` backend, over accelkit's object store.
+
+MMEngine maps the ``s3://`` prefix to its Petrel backend, which needs the ``petrel_client``
+package of one cluster; without it, ``CheckpointHook(out_dir="s3://...")`` fails before the first
+save. :func:`register` (run when ``accelkit.integrations.mmengine`` is imported) registers
+:class:`AccelkitS3Backend` as ``backend='accelkit_s3'`` with both of MMEngine's registries, and
+for the ``s3`` prefix too where ``petrel_client`` is not installed. It serves what the checkpoint
+hook asks of a file backend (join, exists, remove a checkpoint, read and write small files); the
+checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.remote`).
+
+``backend_args`` (the hook's and the runner's) become the store's ``storage_options``: the
+endpoint and credentials, else the AWS_* variables and profiles::
+
+    default_hooks = dict(checkpoint=dict(
+        type="CheckpointHook", interval=1, out_dir="s3://bucket/runs",
+        backend_args=dict(backend="accelkit_s3", endpoint_url="http://minio:9000")))
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from mmengine.fileio import FileClient, register_backend
+from mmengine.fileio.backends import BaseStorageBackend
+
+from accelkit.checkpoint import objectstore, remote
+from accelkit.checkpoint.manifest import MANIFEST_NAME
+
+BACKEND_NAME = "accelkit_s3"
+
+
+def storage_options(backend_args: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``backend_args`` less MMEngine's ``backend`` key: the object store's options."""
+    if not backend_args:
+        return None
+    options = {k: v for k, v in backend_args.items() if k != "backend"}
+    return options or None
+
+
+class AccelkitS3Backend(BaseStorageBackend):
+    """MMEngine's file-backend interface on an S3-compatible store (``s3://bucket/key``)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options or None
+
+    def _where(self, filepath: Any) -> objectstore.S3Location:
+        where = objectstore.location(str(filepath))
+        if where is None:
+            raise ValueError(f"{filepath}: the {BACKEND_NAME} backend serves s3:// paths only")
+        return where
+
+    def _store(self, where: objectstore.S3Location) -> objectstore.ObjectStore:
+        return objectstore.store_for(where, self.options)
+
+    def get(self, filepath: Any) -> bytes:
+        where = self._where(filepath)
+        return self._store(where).get(where.key)
+
+    def get_text(self, filepath: Any, encoding: str = "utf-8") -> str:
+        return self.get(filepath).decode(encoding)
+
+    def put(self, obj: bytes, filepath: Any) -> None:
+        where = self._where(filepath)
+        self._store(where).put(where.key, obj)
+
+    def put_text(self, obj: str, filepath: Any, encoding: str = "utf-8") -> None:
+        self.put(obj.encode(encoding), filepath)
+
+    def isfile(self, filepath: Any) -> bool:
+        where = self._where(filepath)
+        return bool(where.key) and self._store(where).head(where.key) is not None
+
+    def isdir(self, filepath: Any) -> bool:
+        where = self._where(filepath)
+        prefix = f"{where.key}/" if where.key else ""
+        return next(self._store(where).list(prefix), None) is not None
+
+    def exists(self, filepath: Any) -> bool:
+        return self.isfile(filepath) or self.isdir(filepath)
+
+    def join_path(self, filepath: Any, *filepaths: Any) -> str:
+        parts = [str(filepath).rstrip("/"), *(str(p).strip("/") for p in filepaths)]
+        return "/".join(p for p in parts if p)
+
+    def remove(self, filepath: Any) -> None:
+        where = self._where(filepath)
+        self._store(where).delete([where.key])
+
+    def rmtree(self, dir_path: Any) -> None:
+        """Delete everything under ``dir_path``; a checkpoint's manifest goes first, so it is
+        never seen half deleted."""
+        where = self._where(dir_path)
+        store = self._store(where)
+        store.delete([where.child(MANIFEST_NAME).key])
+        store.delete([key for key, _ in store.list(where.key + "/")])
+
+    @contextmanager
+    def get_local_path(self, filepath: Any) -> Iterator[str]:
+        """The object downloaded into a temporary file, for tools that need a path."""
+        with tempfile.TemporaryDirectory(prefix="accelkit-s3-") as tmp:
+            local = Path(tmp) / self._where(filepath).name
+            local.write_bytes(self.get(filepath))
+            yield str(local)
+
+    def list_dir_or_file(
+        self,
+        dir_path: Any,
+        list_dir: bool = True,
+        list_file: bool = True,
+        suffix: Any = None,
+        recursive: bool = False,
+    ) -> Iterator[str]:
+        where = self._where(dir_path)
+        prefix = f"{where.key}/" if where.key else ""
+        seen: set[str] = set()
+        for key, _ in self._store(where).list(prefix):
+            relative = key[len(prefix) :]
+            parts = relative.split("/")
+            if len(parts) > 1 and list_dir and parts[0] not in seen and not recursive:
+                seen.add(parts[0])
+                yield parts[0]
+            wanted = suffix is None or relative.endswith(suffix)
+            if (len(parts) == 1 or recursive) and list_file and wanted:
+                yield relative
+
+
+def register() -> None:
+    """Register the backend by name, and for the ``s3`` prefix where Petrel is absent."""
+    prefixes = None if importlib.util.find_spec("petrel_client") else "s3"
+    register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefixes)
+    FileClient.register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefixes)
+    if prefixes:  # FileClient's force=True drops the old prefix's instances but keeps its class
+        FileClient._prefix_to_backends[prefixes] = AccelkitS3Backend
+
+
+def holds_checkpoint(path: str) -> bool:
+    """Whether the ``s3://`` ``path`` is an accelkit checkpoint (or holds a ``latest``)."""
+    where = objectstore.location(path)
+    return where is not None and remote.holds_checkpoint(where)
