@@ -744,6 +744,15 @@ def main() -> int:
     if base is None:
         base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="accelkit-ckpt-bench-"))
         base.mkdir(parents=True, exist_ok=True)
+    try:
+        return _drive(args, methods, base)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _drive(args: argparse.Namespace, methods: list[str], base: Any) -> int:
+    """The repeats, each in a fresh process, and the summary."""
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     started = time.time()
@@ -785,8 +794,6 @@ def main() -> int:
             print(line, flush=True)
     if not args.dir:
         shutil.rmtree(base, ignore_errors=True)
-    if server is not None:
-        server.stop()
 
     import platform
 

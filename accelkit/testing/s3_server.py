@@ -14,6 +14,7 @@ Like the rest of :mod:`accelkit.testing`, this module imports neither torch nor 
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -88,6 +89,7 @@ class LocalS3Server:
         self.process: subprocess.Popen | None = None
         self.ports: dict[str, int] = {}
         self.log_path = self.directory / "weed.log"
+        self._exit_hook = False
 
     @property
     def endpoint(self) -> str:
@@ -139,6 +141,9 @@ class LocalS3Server:
                 start_new_session=True,  # its own process group: kill() reaches every service
             )
         self._wait_ready()
+        if not self._exit_hook:  # a driver that exits without stop() leaves no server behind
+            atexit.register(self.stop)
+            self._exit_hook = True
         return self
 
     def _wait_ready(self) -> None:
