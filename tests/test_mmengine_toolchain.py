@@ -459,6 +459,26 @@ def test_map_location_places_the_tensors_as_torch_load_would(cpu_run: Path) -> N
     }
 
 
+def test_pretrained_init_cfg_reaches_the_loader(cpu_run: Path) -> None:
+    """``init_cfg=dict(type='Pretrained', checkpoint=...)`` (MMEngine's PretrainedInit) loads an
+    accelkit checkpoint directory, as it loads a ``.pth``."""
+    import torch
+    from mmengine.model.weight_init import PretrainedInit
+    from torch import nn
+
+    import accelkit.integrations.mmengine  # noqa: F401  what custom_imports does
+
+    class Same(nn.Module):  # TinyNet's layout
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    model = Same()
+    PretrainedInit(checkpoint=str(cpu_run / "ak" / "epoch_2.pth"))(model)
+    _assert_same_tensors(model.state_dict(), _weights(cpu_run, "ak"))
+    assert not torch.equal(Same().state_dict()["net.0.weight"], model.state_dict()["net.0.weight"])
+
+
 def test_published_model_is_written_and_opens(cpu_run: Path) -> None:
     """``CheckpointHook(published_keys=...)`` reads the last checkpoint through MMEngine's
     loader: it now publishes ``epoch_2-<sha>.pth``, a file any MMEngine opens."""
