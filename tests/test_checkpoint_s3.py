@@ -192,6 +192,8 @@ def test_an_unsupported_scheme_is_refused_and_writes_no_folder(tmp_path, monkeyp
             accel.save(url, {"model": model})
         with pytest.raises(accelkit.CheckpointError, match="is not supported"):
             accel.load(url, {"model": model})
+    with pytest.raises(accelkit.CheckpointError, match=r"pathlib.Path, which folds its '//'"):
+        accel.save(Path("s3://bucket/run/step-1"), {"model": model})
     assert list(tmp_path.iterdir()) == []
 
 

@@ -40,6 +40,8 @@ CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 60
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: what Path("s3://b/k") becomes: "s3:/b/k"
+_FOLDED = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
 #: the storage_options accelkit understands (besides ``profile``), as boto3 client arguments
 _CLIENT_OPTIONS = {
     "endpoint_url": "endpoint_url",
@@ -93,6 +95,11 @@ def location(path: Any) -> S3Location | None:
     refused with the list of what is supported."""
     if isinstance(path, S3Location):
         return path
+    if isinstance(path, os.PathLike) and _FOLDED.match(os.fspath(path)):
+        raise CheckpointError(
+            f"{path}: a URL made into a pathlib.Path, which folds its '//' ({os.fspath(path)!r}); "
+            "pass the URL as a string (s3://bucket/prefix)"
+        )
     scheme = scheme_of(path)
     if scheme is None:
         return None
