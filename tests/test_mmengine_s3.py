@@ -35,6 +35,7 @@ S3_DRIVER = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # three training runs in subprocesses; a loaded 2-core box is slow
 def test_checkpoint_hook_saves_to_s3_and_resume_continues_exactly(s3, tmp_path: Path) -> None:
     import os
 
