@@ -149,6 +149,23 @@ def test_a_committed_checkpoint_is_never_overwritten(s3, saved):
     _assert_equal(_snapshot(state["model"], state["optimizer"]), want)
 
 
+def test_a_commit_removes_what_killed_saves_of_its_series_left(s3):
+    """A save killed at step-1 left a rank object and an unfinished multipart upload; step-2's
+    commit removes both. A later name (another save in flight, step-9) is left alone."""
+    client, base = s3.client(), f"{s3.prefix}/run"
+    client.put_object(Bucket=s3.bucket, Key=f"{base}/step-1/rank-00000.safetensors", Body=b"x")
+    client.create_multipart_upload(Bucket=s3.bucket, Key=f"{base}/step-1/rank-00001.safetensors")
+    client.put_object(Bucket=s3.bucket, Key=f"{base}/step-9/rank-00000.safetensors", Body=b"y")
+    accel, model, _, _ = _setup()
+    accel.save(s3.url("run/step-2"), {"model": model})
+    assert [k for k in s3.keys("run") if "/step-2/" not in k] == [
+        "run/latest",
+        "run/step-9/rank-00000.safetensors",
+    ]
+    uploads = client.list_multipart_uploads(Bucket=s3.bucket, Prefix=f"{base}/")
+    assert not uploads.get("Uploads")
+
+
 def test_keep_last_rotates_and_async_save_commits(s3):
     accel, model, opt, _ = _setup()
     for step in (1, 2, 3):

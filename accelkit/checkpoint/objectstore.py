@@ -401,8 +401,9 @@ class ObjectStore:
                     Delete={"Objects": batch, "Quiet": True},
                 )
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort the unfinished multipart uploads under ``prefix`` (a killed save's parts)."""
+    def abort_uploads(self, prefix: str, only: Any = None) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` (a killed save's parts);
+        ``only(key)``: just those whose key it accepts."""
         try:
             reply = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix)
         except Exception as err:
@@ -410,6 +411,8 @@ class ObjectStore:
             return 0
         count = 0
         for upload in reply.get("Uploads", []):
+            if only is not None and not only(upload["Key"]):
+                continue
             try:
                 self.client.abort_multipart_upload(
                     Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]

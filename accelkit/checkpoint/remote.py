@@ -478,6 +478,36 @@ def commit(
         store.put(where.parent.child(storage.LATEST_NAME).key, (where.name + "\n").encode())
     if keep_last is not None:
         rotate(where, keep_last, store)
+    sweep(where, store)
+
+
+def sweep(where: S3Location, store: objectstore.ObjectStore) -> list[S3Location]:
+    """After a commit: remove what killed saves of this series left below ``where``'s name
+    (``step-7`` when ``step-8`` commits): prefixes of its name pattern without a manifest, and
+    their unfinished multipart uploads. A later name (another job's save in flight) is left."""
+    pattern = storage.rotation_pattern(where.name)
+    order = storage.natural_key(where.name)
+    prefix = f"{where.parent.key}/" if where.parent.key else ""
+    removed = []
+
+    def earlier(name: str) -> bool:
+        return (
+            storage.rotation_pattern(name) == pattern
+            and storage.natural_key(name) < order
+            and store.head(where.parent.child(name).child(MANIFEST_NAME).key) is None
+        )
+
+    for name in store.list_dirs(prefix):
+        if earlier(name):
+            orphan = where.parent.child(name)
+            store.delete([key for key, _ in store.list(orphan.key + "/")])
+            removed.append(orphan)
+            log.info("removed %s, left by a save that did not complete", orphan)
+    # parts of uploads never completed (a prefix holding only those lists no objects)
+    store.abort_uploads(
+        prefix, lambda key: "/" in key[len(prefix) :] and earlier(key[len(prefix) :].split("/")[0])
+    )
+    return removed
 
 
 def rotate(where: S3Location, keep_last: int, store: objectstore.ObjectStore) -> list[S3Location]:
