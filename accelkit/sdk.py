@@ -10,8 +10,8 @@ The groups:
 - the backend protocol: :class:`Backend` (its hooks are documented where they are declared),
   :class:`Capabilities`, :class:`Settings`, :class:`SetupResult`, :class:`StepResult`, and the
   torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend` with
-  :class:`DDPWrapOptions` / :class:`CommHookOptions`; docs/plugins.md, "Building on a native
-  backend");
+  :class:`DDPWrapOptions` / :class:`CommHookOptions`, :class:`FSDPBackend`; docs/plugins.md,
+  "Building on a native backend");
 - launch: :class:`DistributedBackend` (device pick, process group, ``timeout``) with its
   :class:`DistributedOptions` / :class:`ProcessGroupOptions`, :func:`init_process_group`,
   :func:`local_rank`, :func:`is_initialized`, :data:`DEFAULT_TIMEOUT_S`;
@@ -58,6 +58,8 @@ _SOURCES: dict[str, str] = {
     "DDPOptions": "accelkit.backends.ddp",
     "DDPWrapOptions": "accelkit.backends.ddp",
     "CommHookOptions": "accelkit.backends.ddp",
+    "FSDPBackend": "accelkit.backends.fsdp",
+    "FSDPOptions": "accelkit.backends.fsdp",
     "DistributedBackend": "accelkit.backends.distributed",
     "DistributedOptions": "accelkit.backends.distributed",
     "ProcessGroupOptions": "accelkit.backends.distributed",
@@ -193,6 +195,8 @@ __all__ = [
     "DDPOptions",
     "DDPWrapOptions",
     "CommHookOptions",
+    "FSDPBackend",
+    "FSDPOptions",
     "DistributedBackend",
     "DistributedOptions",
     "ProcessGroupOptions",
@@ -315,6 +319,7 @@ if TYPE_CHECKING:
         DistributedOptions,
         ProcessGroupOptions,
     )
+    from accelkit.backends.fsdp import FSDPBackend, FSDPOptions
     from accelkit.backends.single import SingleDeviceBackend
     from accelkit.benchmark.memory import (
         LOW_PRECISIONS,

@@ -161,3 +161,20 @@ def test_the_lossy_contract_holds_the_example_and_fails_what_breaks_it(tmp_path)
             forgetful.test_checkpoint_resumes_where_it_was_saved(1)
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_a_ddp_subclass_on_the_wrap_options_has_no_comm_hook_option():
+    import rank_state_workers  # CountingDDP: options_class = sdk.DDPWrapOptions
+
+    rank_state_workers.register()
+    with pytest.raises(accelkit.ConfigError, match="comm_hook"):
+        accelkit.get("counting", comm_hook="powersgd")
+
+
+@pytest.mark.slow
+def test_fsdp_calls_on_wrapped_with_the_sharded_root():
+    from accelkit.testing import run_ranks
+
+    here = Path(__file__).parent
+    (seen,) = run_ranks("plugin_sdk_workers:wrapped", nproc=1, timeout=300, path=[here])
+    assert seen == {"root_is_fsdp": True, "params_sharded": True, "optimizer_holds_them": True}

@@ -87,6 +87,8 @@ FSDP_DTYPES: dict[str, DtypeRow] = {
 # ---- options --------------------------------------------------------------------------------
 @dataclass
 class FSDPOptions(DistributedOptions, Float8Options):
+    """Options of ``fsdp`` (and of backends built on :class:`FSDPBackend`)."""
+
     #: which submodules become their own FSDP unit before the root: True = the children of the
     #: outermost ModuleList/Sequential stacks; classes, class names or a predicate; False = root only
     wrap_policy: Any = True
@@ -638,6 +640,7 @@ class FSDPBackend(DistributedBackend):
             for group, names in zip(optimizer.param_groups, groups):
                 group["params"] = [sharded[n] for n in names]
         materializer.verify()
+        self.on_wrapped(model)
 
         if compile:
             options = compile if isinstance(compile, dict) else None
@@ -650,6 +653,11 @@ class FSDPBackend(DistributedBackend):
             self.settings.precision,
         )
         return SetupResult(model, optimizers)
+
+    def on_wrapped(self, model: torch.nn.Module) -> None:
+        """Hook: runs in ``setup`` once ``fully_shard`` sharded every unit and the root and the
+        optimizers hold the sharded parameters, before ``compile``; gets the root FSDP module,
+        returns nothing (set prefetching, register hooks). The default does nothing."""
 
     def _tp_styles(self, model: torch.nn.Module) -> dict[int, Any]:
         """``id(module) -> ParallelStyle`` of the tensor-parallel plan (empty without ``tp``).

@@ -127,11 +127,11 @@ class PowerSGDKeeper:
         parameters, where each has it (else torch starts that entry afresh)."""
         entries = [self._pending.pop(s.name, {}) for s in layout]
         like = {"dtype": buffer.dtype, "device": buffer.device}
-        if all(e.get("error") is not None and e["error"].numel() == s.numel
-               for s, e in zip(layout, entries)):  # fmt: skip
+        errors = [e.get("error") for e in entries]
+        if all(t is not None and t.numel() == s.numel for s, t in zip(layout, errors)):
             error = torch.zeros(buffer.numel(), **like)
-            for s, e in zip(layout, entries):
-                error[s.offset : s.offset + s.numel] = e["error"]
+            for s, t in zip(layout, errors):
+                error[s.offset : s.offset + s.numel] = t
             self.state.error_dict[index] = error
         compressed = [(s, e) for s, e in zip(layout, entries) if s.p is not None]
         fits = all(
