@@ -37,6 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from accelkit import distributed
 from accelkit.checkpoint import objectstore, storage
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint.digest import DEFAULT as DEFAULT_CHECKSUM
@@ -442,7 +443,7 @@ def upload_rank_file(
         store.upload(where.child(local_file.name).key, local_file, pool)
 
 
-def commit(
+def commit_checkpoint(
     where: S3Location,
     manifest_text: str,
     files: dict[str, Any],
@@ -543,14 +544,18 @@ def save(
 ) -> str:
     """:func:`accelkit.checkpoint.save` to object storage (the module's docstring says how)."""
     from accelkit.checkpoint import background, writer
+    from accelkit.checkpoint import commit as steps
     from accelkit.checkpoint.fragments import classify_state
 
     background.wait()  # the save in flight commits (or raises) before this one starts
+    what = f"saving {where}"
+    steps.roll_call("started", what)  # a rank that never comes is named, in time
     check_algorithm(checksum)
     if asynchronous:
         from accelkit.checkpoint import write_process
 
         write_process.enabled()
+        write_process.stall_limits()
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     started = time.perf_counter()
@@ -565,34 +570,39 @@ def save(
         elif hasattr(accel, "applied_steps"):
             step = accel.applied_steps
     counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
+    distributed.refuse_different(
+        str(where), "checkpoint paths to save()", writer._SAME_PATH, CheckpointError
+    )
+    group = steps.commit_group()  # every collective of the save runs on it, bounded
 
     error = None
     with profile.phase("prepare"):
         if rank == 0:
             try:
-                prepare(where, storage_options)
+                with steps.working("prepared"):
+                    prepare(where, storage_options)
             except Exception as err:
                 error = err
-        writer.agree(error, f"saving {where}")
+        steps.report("prepared", error, what, group)
 
     planned, error = None, None
     try:
-        with profile.phase("plan"):
-            record, to_write = writer._plan_rank(backend, state, objects, rng, exclude_frozen)
-        if asynchronous:
-            with profile.phase("stage"):
-                to_write = background.snapshot(to_write)
+        with steps.working("planned"):
+            with profile.phase("plan"):
+                record, to_write = writer._plan_rank(backend, state, objects, rng, exclude_frozen)
+            if asynchronous:
+                with profile.phase("stage"):
+                    to_write = background.snapshot(to_write)
         planned = (record, to_write)
     except Exception as err:
         error = err
-    writer.agree(error, f"saving {where}")
+    steps.report("planned", error, what, group)
     assert planned is not None
     job = (backend, counters, where, *planned, list(state), step)
     options: dict[str, Any] = {"checksum": checksum, "exclude_frozen": exclude_frozen}
     options.update(latest=latest, keep_last=keep_last, started=started, profile=profile)
     options.update(storage_options=storage_options)
     if asynchronous:
-        group = background.commit_group()
         background.start(where, lambda: _upload_and_commit(*job, group=group, **options))
         if rank == 0:
             log.info(
@@ -601,7 +611,7 @@ def save(
                 time.perf_counter() - started,
             )
         return str(where)
-    _upload_and_commit(*job, group=None, **options)
+    _upload_and_commit(*job, group=group, **options)
     return str(where)
 
 
@@ -615,6 +625,42 @@ def _extras_bytes(manifest: Any, extras: dict[str, Any]) -> bytes | None:
         "sha256": hashlib.sha256(raw).hexdigest(),
     }
     return raw
+
+
+def _commit_records(
+    backend: Any,
+    counters: Any,
+    where: S3Location,
+    records: list[dict[str, Any]],
+    state_keys: list[str],
+    step: Any,
+    *,
+    exclude_frozen: bool,
+    latest: bool,
+    keep_last: int | None,
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Rank 0: the manifest from every rank's record, then :func:`commit_checkpoint`."""
+    from accelkit.checkpoint import writer
+
+    manifest, extras = writer._build_manifest(backend, counters, records, state_keys, step)
+    if exclude_frozen:
+        manifest.data["excluded_frozen"] = True
+    extras_raw = _extras_bytes(manifest, extras)
+    try:
+        manifest.validate()
+    except CheckpointError as err:
+        who = manifest.data.get("writer", {}).get("backend", "?")
+        raise CheckpointError(f"backend {who!r} wrote an inconsistent checkpoint: {err}") from err
+    commit_checkpoint(
+        where,
+        manifest.to_json_text(),
+        {n: i for n, i in manifest.data["files"].items() if n != EXTRA_NAME},
+        extras_raw,
+        latest=latest,
+        keep_last=keep_last,
+        storage_options=storage_options,
+    )
 
 
 def _upload_and_commit(
@@ -637,7 +683,8 @@ def _upload_and_commit(
 ) -> None:
     """Every rank writes its file locally and uploads it; rank 0 commits (collective on
     ``group``)."""
-    from accelkit.checkpoint import writer
+    from accelkit.checkpoint import background, writer
+    from accelkit.checkpoint import commit as steps
 
     rank = record["rank"]
     profile.tensors = len(to_write)
@@ -647,51 +694,45 @@ def _upload_and_commit(
     try:
         local = staging / where.name
         storage.temp_dir(local).mkdir(parents=True)
-        with profile.phase("write"):
-            record = writer._write_planned(local, record, to_write, checksum, profile)
-        to_write.clear()  # a snapshot's copies are released as soon as they are written
-        with profile.phase("upload"):
-            upload_rank_file(
-                where, storage.temp_dir(local) / record["file"]["name"], storage_options
-            )
+        with steps.working("written"):  # a long upload is not a dead rank
+            with profile.phase("write"):
+                record = writer._write_planned(local, record, to_write, checksum, profile)
+            to_write.clear()  # a snapshot's copies are released as soon as they are written
+            with profile.phase("upload"):
+                upload_rank_file(
+                    where, storage.temp_dir(local) / record["file"]["name"], storage_options
+                )
     except Exception as err:
         error = err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     with profile.phase("gather"):
-        writer.agree(error, f"saving {where}", group)
+        steps.report("written", error, f"saving {where}", group)
         records = writer._gather_to_rank0(record, group)
 
     error = None
     with profile.phase("commit"):
         if rank == 0:
             try:
-                manifest, extras = writer._build_manifest(
-                    backend, counters, records, state_keys, step
-                )
-                if exclude_frozen:
-                    manifest.data["excluded_frozen"] = True
-                extras_raw = _extras_bytes(manifest, extras)
-                try:
-                    manifest.validate()
-                except CheckpointError as err:
-                    who = manifest.data.get("writer", {}).get("backend", "?")
-                    raise CheckpointError(
-                        f"backend {who!r} wrote an inconsistent checkpoint: {err}"
-                    ) from err
-                commit(
-                    where,
-                    manifest.to_json_text(),
-                    {n: i for n, i in manifest.data["files"].items() if n != EXTRA_NAME},
-                    extras_raw,
-                    latest=latest,
-                    keep_last=keep_last,
-                    storage_options=storage_options,
-                )
+                with steps.working("committed"):  # a long rotation is not a dead rank 0
+                    _commit_records(
+                        backend,
+                        counters,
+                        where,
+                        records,
+                        state_keys,
+                        step,
+                        exclude_frozen=exclude_frozen,
+                        latest=latest,
+                        keep_last=keep_last,
+                        storage_options=storage_options,
+                    )
             except Exception as err:
                 error = err
-        writer.agree(error, f"saving {where}", group)
+        steps.report("committed", error, f"saving {where}", group)
     profiling.record(profile)
+    if profile.asynchronous:  # pin the next save's staging now, off the training thread
+        background.grow_staging()
     if rank == 0:
         size = sum(r["file"]["bytes"] for r in records)
         log.info("saved %s: %.3f GB in %.2f s", where, size / 1e9, time.perf_counter() - started)
