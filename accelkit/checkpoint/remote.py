@@ -13,7 +13,11 @@ of the writes:
 3. rank 0 checks every rank file is there with its size, writes ``extra.json``, then the
    manifest, last and conditionally (``If-None-Match: *``: of two jobs saving to one location,
    one commits); then ``latest``, then rotation, which deletes an old checkpoint's manifest
-   first, so it is never seen half deleted.
+   first, so it is never seen half deleted, then what killed saves of the series left under
+   earlier names.
+
+Each step closes as a disk save's does (:mod:`accelkit.checkpoint.commit`): every wait for
+another rank is bounded, and every rank raises the same error.
 
 A location without a manifest is not a checkpoint: ``load``, ``latest`` and ``auto_resume`` never
 see an interrupted save. Loading downloads the manifest and the rank files by parallel ranged
@@ -77,11 +81,6 @@ def _manifest_step(raw: bytes) -> int | None:
 
 
 # ---- finding a checkpoint ---------------------------------------------------------------------
-def is_checkpoint(where: S3Location, storage_options: dict[str, Any] | None = None) -> bool:
-    store = objectstore.store_for(where, storage_options)
-    return store.head(where.child(MANIFEST_NAME).key) is not None
-
-
 def _pointer_target(
     where: S3Location, store: objectstore.ObjectStore
 ) -> tuple[S3Location | None, str]:
@@ -162,12 +161,6 @@ def latest_checkpoint(
         log.warning("%s; looking for the newest complete checkpoint instead", refused)
     candidates = _committed(where, store)
     return max(candidates, key=lambda c: c[0])[1] if candidates else None
-
-
-def read_manifest_bytes(where: S3Location, storage_options: dict[str, Any] | None = None) -> bytes:
-    """The manifest of the checkpoint ``where`` names (after ``latest``)."""
-    target = resolve(where, storage_options)
-    return objectstore.store_for(target, storage_options).get(target.child(MANIFEST_NAME).key)
 
 
 # ---- reading ------------------------------------------------------------------------------------
