@@ -168,10 +168,12 @@ def resume_runner(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
-def strategy() -> Any:
+def strategy(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from accelkit.integrations.mmengine import AccelkitStrategy
 
-    strategy = AccelkitStrategy(backend="cpu", trust_pickle=True)
+    # MMEngine's default work_dir is ./work_dirs: a test writes nothing outside its tmp folder
+    work_dir = tmp_path_factory.mktemp("strategy")
+    strategy = AccelkitStrategy(backend="cpu", trust_pickle=True, work_dir=str(work_dir))
     strategy.prepare(TinyNet())
     return strategy
 
