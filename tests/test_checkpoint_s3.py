@@ -214,6 +214,15 @@ def test_an_unsupported_scheme_is_refused_and_writes_no_folder(tmp_path, monkeyp
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("url", ["s3://", "s3:///run", "s3://b/run/../x", "s3://b/run//x"])
+def test_a_malformed_s3_url_is_refused(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    accel, model, _, _ = _setup()
+    with pytest.raises(accelkit.CheckpointError, match=r"not a valid S3 location.*s3://bucket/"):
+        accel.save(url, {"model": model})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_storage_options_override_the_environment(s3, monkeypatch):
     accel, model, _, _ = _setup()
     options = {
