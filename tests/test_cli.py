@@ -613,7 +613,7 @@ def _quick_start_commands() -> list[str]:
 
 def test_readme_quick_start_is_what_ci_runs():
     """Two commands for a newcomer (set up + demo, tests) and the full tier; .ci/run reads and runs
-    exactly these, and the setup script installs torch 2.13, every plugin and colossalai."""
+    exactly these, and the setup script installs torch 2.13, every plugin, colossalai and the s3 extra."""
     root = Path(__file__).parents[1]
     commands = _quick_start_commands()
     assert len(commands) == 3, commands
@@ -622,7 +622,7 @@ def test_readme_quick_start_is_what_ci_runs():
     assert default_tier == ".venv/bin/python -m pytest -q"
     assert full_tier.startswith(".venv/bin/python -m pytest -q -m ") and "slow" in full_tier
     script = (root / "scripts" / "setup.sh").read_text(encoding="utf-8")
-    for needed in ("torch==2.13.0", "plugins/*/", "install_colossalai.sh", ".[test]"):
+    for needed in ("torch==2.13.0", "plugins/*/", "install_colossalai.sh", ".[test,s3]"):
         assert needed in script, needed
     printed = subprocess.run(
         ["bash", str(root / ".ci" / "run"), "--print"], capture_output=True, text=True, check=True
