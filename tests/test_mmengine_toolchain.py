@@ -324,17 +324,29 @@ def _load_in_fresh_process(root: Path, checkpoint: Path, out: str) -> dict:
     return torch.load(root / out, weights_only=False)
 
 
-def _load_error(root: Path, checkpoint: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(root / "load_driver.py"), "tiny_config.py", str(checkpoint), "x.pt"],
-        cwd=root,
-        env=_env(root),
-        capture_output=True,
-        text=True,
-        timeout=900,  # a hang guard only: the shared machine can be slow
-    )
-    assert proc.returncode != 0, "loading a damaged checkpoint succeeded"
-    return proc.stderr.strip().splitlines()[-1]
+def _tiny_net():
+    """A module of TinyNet's layout, built in this process."""
+    from torch import nn
+
+    class Same(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    return Same()
+
+
+def _load_here(checkpoint: Path) -> dict:
+    """``load_checkpoint`` in this process, the adapter imported (what custom_imports does): the
+    fast way for the tests that are not about a fresh process."""
+    from mmengine.runner import load_checkpoint
+    from mmengine.runner.checkpoint import _load_checkpoint
+
+    import accelkit.integrations.mmengine  # noqa: F401
+
+    model = _tiny_net()
+    load_checkpoint(model, str(checkpoint), map_location="cpu", strict=True)
+    return dict(model=model.state_dict(), raw=_load_checkpoint(str(checkpoint)))
 
 
 def _record(root: Path, name: str, rank: int = 0) -> dict:
@@ -355,7 +367,7 @@ def _assert_same_tensors(ours: dict, theirs: dict) -> None:
         assert torch.equal(ours[key], theirs[key]), key
 
 
-# ---- one cpu run, read back by a fresh process (default tier) ----------------------------------
+# ---- one cpu run, read back by a fresh process (slow) and in this process ---------------------
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("toolchain_cpu")
@@ -375,6 +387,7 @@ def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # a fresh interpreter importing MMEngine and accelkit: over 10 s
 def test_load_checkpoint_opens_an_accelkit_checkpoint(cpu_run: Path) -> None:
     """``Config.fromfile`` + ``mmengine.runner.load_checkpoint`` in a fresh process: the weights
     are bit-equal to the trained model's, and the dict is MMEngine's layout."""
@@ -409,8 +422,10 @@ def test_a_flipped_byte_fails_the_load(cpu_run: Path, tmp_path: Path) -> None:
     header = json.loads(data[8 : 8 + header_len])
     data[8 + header_len + header[fragment["key"]]["data_offsets"][0]] ^= 0x40  # one weight's bit
     rank_file.write_bytes(bytes(data))
-    message = _load_error(cpu_run, damaged)
-    assert "CheckpointError" in message and "net.2.weight" in message
+    from accelkit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"net\.2\.weight"):
+        _load_here(damaged)
 
 
 def test_a_missing_rank_file_fails_the_load(cpu_run: Path, tmp_path: Path) -> None:
@@ -419,19 +434,23 @@ def test_a_missing_rank_file_fails_the_load(cpu_run: Path, tmp_path: Path) -> No
     damaged = tmp_path / "epoch_2.pth"
     shutil.copytree(cpu_run / "ak" / "epoch_2.pth", damaged)
     (damaged / "rank-00000.safetensors").unlink()
-    message = _load_error(cpu_run, damaged)
-    assert "CheckpointError" in message and "rank-00000.safetensors" in message
+    from accelkit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"rank-00000\.safetensors"):
+        _load_here(damaged)
 
 
 def test_a_directory_that_is_no_checkpoint_is_named(cpu_run: Path, tmp_path: Path) -> None:
     (tmp_path / "epoch_9.pth").mkdir()
-    message = _load_error(cpu_run, tmp_path / "epoch_9.pth")
-    assert "CheckpointError" in message and "without accelkit.json" in message
+    from accelkit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"without accelkit\.json"):
+        _load_here(tmp_path / "epoch_9.pth")
 
 
 def test_a_pth_file_still_goes_to_mmengines_loader(cpu_run: Path) -> None:
     """Files keep MMEngine's loader: a plain state dict (tensors only) loads as before."""
-    loaded = _load_in_fresh_process(cpu_run, cpu_run / "ak.weights.pt", "loaded_file.pt")
+    loaded = _load_here(cpu_run / "ak.weights.pt")
     _assert_same_tensors(loaded["model"], _weights(cpu_run, "ak"))
 
 
@@ -464,19 +483,14 @@ def test_pretrained_init_cfg_reaches_the_loader(cpu_run: Path) -> None:
     accelkit checkpoint directory, as it loads a ``.pth``."""
     import torch
     from mmengine.model.weight_init import PretrainedInit
-    from torch import nn
 
     import accelkit.integrations.mmengine  # noqa: F401  what custom_imports does
 
-    class Same(nn.Module):  # TinyNet's layout
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-
-    model = Same()
+    model = _tiny_net()
     PretrainedInit(checkpoint=str(cpu_run / "ak" / "epoch_2.pth"))(model)
     _assert_same_tensors(model.state_dict(), _weights(cpu_run, "ak"))
-    assert not torch.equal(Same().state_dict()["net.0.weight"], model.state_dict()["net.0.weight"])
+    fresh = _tiny_net().state_dict()["net.0.weight"]
+    assert not torch.equal(fresh, model.state_dict()["net.0.weight"])
 
 
 def test_published_model_is_written_and_opens(cpu_run: Path) -> None:
@@ -484,7 +498,7 @@ def test_published_model_is_written_and_opens(cpu_run: Path) -> None:
     loader: it now publishes ``epoch_2-<sha>.pth``, a file any MMEngine opens."""
     (published,) = (cpu_run / "ak").glob("epoch_2-*.pth")
     assert published.is_file()
-    loaded = _load_in_fresh_process(cpu_run, published, "published.pt")
+    loaded = _load_here(published)
     _assert_same_tensors(loaded["model"], _weights(cpu_run, "ak"))
     assert sorted(loaded["raw"]) == ["meta", "state_dict"]
 
@@ -753,7 +767,7 @@ def test_build_optim_wrapper_builds_a_new_wrapper_each_call_as_mmengine(tmp_path
         ours.train()
 
 
-# ---- test-time augmentation both ways, against plain MMEngine (default tier) ------------------
+# ---- test-time augmentation both ways, against plain MMEngine (slow) ----------------------------
 @pytest.fixture(scope="module")
 def tta_runs(cpu_run: Path) -> Path:
     """Plain MMEngine and accelkit (Runner and FlexibleRunner each) test the same trained
@@ -806,6 +820,7 @@ def _metric(root: Path, name: str) -> dict:
     return json.loads((root / f"{name}.test.json").read_text())
 
 
+@pytest.mark.slow  # twelve test runs in four processes
 @pytest.mark.parametrize("mode", ["tta_cfg", "tta_hook", "plain"])
 @pytest.mark.parametrize(("ours", "theirs"), [("ak", "ref"), ("flexak", "flexref")])
 def test_test_time_augmentation_gives_mmengines_metric(
@@ -816,6 +831,7 @@ def test_test_time_augmentation_gives_mmengines_metric(
     assert _metric(tta_runs, f"{ours}_{mode}") == _metric(tta_runs, f"{theirs}_{mode}")
 
 
+@pytest.mark.slow
 def test_the_tta_comparison_can_tell_tta_from_none(tta_runs: Path) -> None:
     """Precondition of the test above: averaging the views changes the metric here."""
     assert _metric(tta_runs, "ref_tta_cfg") == _metric(tta_runs, "ref_tta_hook")
