@@ -11,18 +11,26 @@ into a portable checkpoint (:mod:`accelkit_deepspeed.importer`).
 
 A native checkpoint holds one engine: with several models set up, ``state`` names the model (and
 optimizer) of one of them, and only that engine's loss scale and counters go in.
+
+Before ``load_checkpoint`` each rank reads the files it will load (:func:`read_ahead`: its zip
+checksums, then the restricted unpickler), and the ranks agree on the outcome
+(:func:`agree_readable`, one small all-gather): a missing, damaged or refused file on one rank
+fails every rank at once with the same error, naming the rank and the file, instead of leaving
+the other ranks waiting in DeepSpeed's collectives until the process group's timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from accelkit.sdk import (
     CheckpointError,
+    PickleRefused,
     UnsupportedError,
     classify_state,
     drop_callables,
@@ -65,23 +73,25 @@ def _engine_parts(backend: Any, state: dict[str, Any]) -> tuple[Any, Any, list[s
 
 
 @contextlib.contextmanager
-def restricted_reads(engine: Any, path: str | os.PathLike) -> Iterator[None]:
+def restricted_reads(
+    engine: Any, path: str | os.PathLike, read: dict[str, Any] | None = None
+) -> Iterator[None]:
     """For the duration, the files DeepSpeed's ``load_checkpoint`` reads go through accelkit's
     restricted unpickler: all of them go through ``engine.checkpoint_engine.load``, whose own
     reading is ``torch.load(weights_only=False)``. A universal checkpoint, which DeepSpeed
-    reads with ``torch.load`` directly, is refused."""
+    reads with ``torch.load`` directly, is refused. ``read``: files already read (by
+    :func:`read_ahead`), handed over once instead of read again."""
     from accelkit_deepspeed import pickles
 
-    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-    if checkpoint_engine is None or engine.load_universal_checkpoint():
-        raise UnsupportedError(
-            f"{path}: this engine reads checkpoints outside DeepSpeed's checkpoint engine "
-            "(a universal checkpoint, or an engine without an optimizer), which accelkit cannot "
-            "restrict; load a portable checkpoint instead (accelkit convert --trust-pickle)"
-        )
+    check_restrictable(engine, path)
+    checkpoint_engine = engine.checkpoint_engine
     allowlist = pickles.native_allowlist()
+    ready = dict(read or {})
 
     def load(path: str, map_location: Any = None) -> Any:
+        key = os.path.abspath(path)
+        if key in ready:
+            return ready.pop(key)
         return pickles.load(path, allowlist, map_location=map_location)
 
     checkpoint_engine.load = load  # the instance's, over its class's method
@@ -89,6 +99,148 @@ def restricted_reads(engine: Any, path: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         del checkpoint_engine.load
+
+
+def check_restrictable(engine: Any, path: str | os.PathLike, with_optimizer: bool = True) -> None:
+    """Refuse a load in which DeepSpeed reads files outside its checkpoint engine, with
+    ``torch.load(weights_only=False)``: a universal checkpoint, and ZeRO-3 without the optimizer
+    (``zero_to_fp32`` then reads every rank's files)."""
+    outside = (
+        getattr(engine, "checkpoint_engine", None) is None or engine.load_universal_checkpoint()
+    )
+    if outside or (not with_optimizer and engine.zero_optimization_partition_weights()):
+        raise UnsupportedError(
+            f"{path}: this load makes DeepSpeed read files outside its checkpoint engine (a "
+            "universal checkpoint, an engine without an optimizer, or ZeRO-3 without the "
+            "optimizer in state), which accelkit cannot restrict; put the optimizer in state, "
+            "or load a portable checkpoint instead (accelkit convert --trust-pickle)"
+        )
+
+
+def _resolved_tag(path: str | os.PathLike, tag: str | None) -> str | None:
+    """The tag DeepSpeed's ``load_checkpoint`` will read: ``tag``, else the ``latest`` file's."""
+    if tag is not None:
+        return str(tag)
+    latest = Path(path) / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
+
+
+def files_to_read(
+    engine: Any, path: str | os.PathLike, tag: str | None, with_optimizer: bool
+) -> list[str]:
+    """The files this rank's ``engine.load_checkpoint(path, tag)`` reads through the checkpoint
+    engine, by DeepSpeed's own names for them: the model states (ZeRO-3: this rank's), and with
+    the optimizer this rank's ZeRO optimizer states (an elastic checkpoint: every rank's, added
+    by :func:`read_ahead` once the model file told how many). Missing ones are listed too."""
+    resolved = _resolved_tag(path, tag)
+    if resolved is None:  # no `latest`: DeepSpeed finds nothing, on every rank alike
+        return []
+    models = engine._get_all_ckpt_names(str(path), resolved)
+    if len(models) == engine.mp_world_size:
+        models = [models[engine.checkpoint_mp_rank]]
+    elif not models:
+        models = [engine._get_ckpt_name(str(path), resolved)]
+    files = list(models)
+    if _reads_optimizer_files(engine, with_optimizer) and not engine.zero_elastic_checkpoint():
+        import torch.distributed as dist
+
+        dp_rank = dist.get_rank(group=engine.optimizer.dp_process_group)
+        files.append(_optimizer_file(engine, path, resolved, dp_rank))
+    return [os.path.abspath(f) for f in files]
+
+
+def _reads_optimizer_files(engine: Any, with_optimizer: bool) -> bool:
+    return bool(
+        with_optimizer and engine.zero_optimization() and not engine.zero_nvme_offload_optimizer()
+    )
+
+
+def _optimizer_file(engine: Any, path: str | os.PathLike, tag: str, dp_rank: int) -> str:
+    """DeepSpeed's name for one rank's ZeRO optimizer states, or its older name where only that
+    one exists (as ``_get_all_zero_checkpoint_names`` picks)."""
+    name = engine._get_rank_zero_ckpt_name(
+        str(path), tag, engine.checkpoint_mp_rank, dp_rank, engine.bfloat16_enabled()
+    )
+    older = name.replace("_optim_states.pt", "optim_states.pt")
+    return older if not os.path.exists(name) and os.path.exists(older) else name
+
+
+def _check_zip_checksums(file: str) -> None:
+    """Every member of a ``torch.save`` zip file against the CRC-32 torch recorded for it: a
+    flipped byte in a tensor's data otherwise loads silently (torch does not check them)."""
+    with open(file, "rb") as raw:
+        if raw.read(4) != b"PK\x03\x04":  # torch's legacy format: no checksums to check
+            return
+    try:
+        with zipfile.ZipFile(file) as archive:
+            for member in archive.infolist():
+                if member.CRC == 0 and member.file_size:  # written without checksums
+                    continue
+                with archive.open(member) as data:
+                    while data.read(1 << 24):
+                        pass
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as err:
+        raise CheckpointError(
+            f"{file}: damaged ({err}); the file's bytes are not the ones DeepSpeed wrote. Load "
+            "an earlier checkpoint, or copy this one again from where it was saved"
+        ) from None
+
+
+def read_ahead(
+    engine: Any, path: str | os.PathLike, tag: str | None, with_optimizer: bool
+) -> dict[str, Any]:
+    """Each file :func:`files_to_read` names, checked (present, its zip checksums) and read
+    through the restricted unpickler, by absolute path; raises on the first bad one."""
+    from accelkit_deepspeed import pickles
+
+    allowlist = pickles.native_allowlist()
+    read: dict[str, Any] = {}
+
+    def take(file: str) -> Any:
+        if not os.path.isfile(file):
+            raise CheckpointError(
+                f"{file}: missing from the native checkpoint; DeepSpeed needs it on this rank. "
+                "Load a complete checkpoint (the same world size and ZeRO stage it was saved with)"
+            )
+        _check_zip_checksums(file)
+        read[file] = pickles.load(file, allowlist, map_location="cpu")
+        return read[file]
+
+    for file in files_to_read(engine, path, tag, with_optimizer):
+        take(file)
+    if _reads_optimizer_files(engine, with_optimizer) and engine.zero_elastic_checkpoint():
+        resolved = _resolved_tag(path, tag)
+        saved = next(iter(read.values()), None) if resolved is not None else None
+        world = saved.get("dp_world_size") if isinstance(saved, dict) else None
+        for dp_rank in range(world if isinstance(world, int) else 0):
+            take(os.path.abspath(_optimizer_file(engine, path, resolved, dp_rank)))
+    return read
+
+
+def agree_readable(path: str | os.PathLike, error: BaseException | None) -> None:
+    """Every rank learns whether any rank's :func:`read_ahead` failed, and every rank then raises
+    the same error, naming each failed rank and its message (one small all-gather on the default
+    group, bounded by its timeout; the ranks arrive there as soon as their reads end)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    failed = [(rank, message) for rank, message in enumerate(messages) if message]
+    if not failed:
+        return
+    detail = "; ".join(f"rank {rank}: {message}" for rank, message in failed)
+    text = (
+        f"{path}: native DeepSpeed load stopped on every rank before DeepSpeed read anything, "
+        f"as {len(failed)} of {len(messages)} ranks cannot read their files: {detail}"
+    )
+    refused = all(m.startswith(f"{PickleRefused.__name__}: ") for _, m in failed)
+    agreed = PickleRefused(text) if refused else CheckpointError(text)
+    raise agreed from error
 
 
 def save(
@@ -136,7 +288,15 @@ def load(
     from accelkit_deepspeed.checkpoint import load_engine_state_of
 
     engine, objects, _, optimizers = _engine_parts(backend, state)
-    with restricted_reads(engine, path):
+    check_restrictable(engine, path, with_optimizer=bool(optimizers))
+    read: dict[str, Any] = {}
+    failure: BaseException | None = None
+    try:
+        read = read_ahead(engine, path, tag, with_optimizer=bool(optimizers))
+    except Exception as err:  # any failure on one rank must reach the others, not strand them
+        failure = err
+    agree_readable(path, failure)
+    with restricted_reads(engine, path, read):
         load_path, client = engine.load_checkpoint(
             str(path),
             tag=tag,

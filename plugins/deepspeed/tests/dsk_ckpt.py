@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -127,11 +128,14 @@ def train(
         keys = (*load_keys, *(("step",) if resume_step is None else ()))
         subset = {k: state[k] for k in keys if k in state}
         trust = {"trust_pickle": True} if load_format == "native" else {}
+        began = time.monotonic()
         try:
             accel.load(load_from, subset, strict=strict, format=load_format, **trust)
         except Exception as err:  # the test asserts on the type and message
             result["error"] = f"{type(err).__name__}: {err}"
+            result["load_s"] = time.monotonic() - began  # reported, never asserted
             return result
+        result["load_s"] = time.monotonic() - began
         step = subset["step"] if resume_step is None else resume_step
         result["loaded"] = _gather(accel, model, opt)
         result["lr_after_load"] = opt.param_groups[0]["lr"]
