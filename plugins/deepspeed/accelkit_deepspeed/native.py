@@ -80,13 +80,14 @@ def restricted_reads(
     restricted unpickler: all of them go through ``engine.checkpoint_engine.load``, whose own
     reading is ``torch.load(weights_only=False)``. A universal checkpoint, which DeepSpeed
     reads with ``torch.load`` directly, is refused. ``read``: files already read (by
-    :func:`read_ahead`), handed over once instead of read again."""
+    :func:`read_ahead`), each handed over once instead of read again (and dropped from
+    ``read``, so DeepSpeed alone holds it)."""
     from accelkit_deepspeed import pickles
 
     check_restrictable(engine, path)
     checkpoint_engine = engine.checkpoint_engine
     allowlist = pickles.native_allowlist()
-    ready = dict(read or {})
+    ready = read if read is not None else {}
 
     def load(path: str, map_location: Any = None) -> Any:
         key = os.path.abspath(path)
