@@ -57,7 +57,8 @@ NATIVE_PLANTINGS = (
 
 def run(root: str, stage: int, marker: str) -> dict[str, Any]:
     """A native save, its native load (the positive twin), then native loads of copies with
-    :data:`NATIVE_PLANTINGS`, each refused (``error`` in its result)."""
+    :data:`NATIVE_PLANTINGS`, each refused (``error`` in its result), and a model-only load of
+    the last copy (refused at ZeRO-3)."""
     base = Path(root)
     native = str(base / "native")
     keys = ("model", "optimizer")
@@ -75,5 +76,11 @@ def run(root: str, stage: int, marker: str) -> dict[str, Any]:
         out[f"{gadget} in the {place} file"] = train(
             gadget, stage=stage, steps=2, load_from=target, load_format="native", load_keys=keys
         )
+    # ZeRO-3 without the optimizer: DeepSpeed would read every file with zero_to_fp32's
+    # torch.load(weights_only=False), which runs the gadget; refused before anything is read
+    out["model only"] = train(
+        "model only", stage=stage, steps=2, load_from=target, load_format="native",
+        load_keys=("model",),
+    )  # fmt: skip
     out["marker"] = Path(marker).exists()
     return out

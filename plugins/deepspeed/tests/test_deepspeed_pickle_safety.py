@@ -12,7 +12,8 @@ accelkit's restricted unpickler with DeepSpeed's allowlist (accelkit_deepspeed.p
   marker file is never created) and nothing is written. Each gadget does run under
   ``torch.load(weights_only=False)``, which the importer used before.
 * A native save loads natively (ZeRO-3: its tensors carry ``ds_id``), and with a gadget planted
-  it is refused on every rank, nothing run.
+  it is refused on every rank, nothing run. A ZeRO-3 load without the optimizer, which DeepSpeed
+  reads with ``zero_to_fp32``'s unrestricted ``torch.load``, is refused.
 """
 
 from __future__ import annotations
@@ -180,5 +181,8 @@ def test_native_load_refuses_gadgets_and_loads_a_real_checkpoint(tmp_path):
             error = result[f"{gadget} in the {place} file"]["error"]
             assert error.startswith("PickleRefused: ")
             assert f"it names {_refused_global(gadget)}" in error and WHAT_TO_DO in error
+        model_only = result["model only"]["error"]
+        assert model_only.startswith("UnsupportedError: ")
+        assert "ZeRO-3 without the optimizer in state" in model_only
         assert not result["marker"]
     assert not marker.exists()
