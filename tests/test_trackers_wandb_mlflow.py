@@ -83,7 +83,15 @@ def wandb_records(path: Path) -> list[Any]:
 
 
 def wandb_runs(wandb_dir: str | Path) -> list[dict[str, Any]]:
-    """Each offline run directory: its run id, config and history rows (``_step`` -> values)."""
+    """Each offline run directory: its run id, config and history rows (``_step`` -> values).
+
+    ``run.finish()`` returns once wandb-core has handled the exit record, but the ``.wandb`` file
+    is written in full only when wandb-core closes the run's stream, which ``finish`` requests
+    without waiting (read right after, the file can still be its 7-byte header). ``wandb.teardown()``
+    waits for the service process to exit, so every run file it wrote is complete."""
+    import wandb
+
+    wandb.teardown()
     runs = []
     for path in sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb")):
         run: dict[str, Any] = {"dir": path.parent, "config": {}, "history": {}}
