@@ -175,8 +175,9 @@ def test_zero_on_one_process_trains_and_refuses_manual_clipping():
     assert any(not torch.equal(a, b) for a, b in zip(before, after))
     with pytest.raises(UnsupportedError, match="partitions gradients"):
         accel.clip_grad_norm(1.0)
+    second = torch.nn.Linear(3, 1)  # a second model (the first again is refused sooner)
     with pytest.raises(UnsupportedError, match="one model per Booster"):
-        accel.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        accel.setup(second, torch.optim.SGD(second.parameters(), lr=0.1))
 
 
 @pytest.mark.slow
