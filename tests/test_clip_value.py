@@ -73,6 +73,7 @@ def fsdp_job() -> list[list[float]]:
     return ours("fsdp", device="cpu")
 
 
+@pytest.mark.slow  # 2 ranks under FSDP: 7-11 s
 def test_fsdp_clamps_its_shards_like_one_process():
     ranks = run_ranks("test_clip_value:fsdp_job", nproc=2, timeout=300, path=[HERE])
     want = [w.reshape(-1).tolist() for w in raw()]

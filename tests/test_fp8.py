@@ -97,6 +97,7 @@ def raw_runs() -> dict[str, dict[str, Any]]:
 
 
 # ---- numerics ---------------------------------------------------------------------------------
+@pytest.mark.slow  # with the next test: the raw runs, 16 s, and ours, 16 s
 def test_cpu_fp8_mixed_matches_the_raw_torchao_loop(raw_runs):
     run = train_accelkit("fp8-mixed", **SMALL)
     expected = raw_runs["fp8-mixed"]
@@ -107,6 +108,7 @@ def test_cpu_fp8_mixed_matches_the_raw_torchao_loop(raw_runs):
     assert all(torch.equal(state[k], expected["state"][k]) for k in state)
 
 
+@pytest.mark.slow
 def test_fp8_mixed_tracks_bf16_mixed_within_the_measured_gap(raw_runs):
     fp8, bf16 = raw_runs["fp8-mixed"]["losses"], raw_runs["bf16-mixed"]["losses"]
     gap = relative_gap(fp8, bf16)

@@ -46,6 +46,7 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@pytest.mark.slow  # four libraries' loops: 7-11 s
 def test_peers_cpu_smoke_same_work_on_every_side(tmp_path):
     doc, log = run_peers(
         tmp_path,

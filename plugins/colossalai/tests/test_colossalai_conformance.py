@@ -54,7 +54,11 @@ class TinyLlamaWorkload:
         return model(input_ids=ids, labels=ids).loss.float()
 
 
-TestColossalDdpContract = backend_contract("colossalai_ddp", world_sizes=(1, 2))
+TestColossalDdpContract = backend_contract(
+    "colossalai_ddp",
+    world_sizes=(1, 2),
+    slow=True,  # a second configuration of the Booster: colossalai_zero is its default-tier case
+)
 TestColossalZeroContract = backend_contract(
     "colossalai_zero", options={"stage": 2}, world_sizes=(1, 2)
 )
