@@ -245,13 +245,23 @@ def _load(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     where = objectstore.location(path)
-    if where is not None:  # object storage: the disk reader reads a local copy
+    profile = profiling.SaveProfile()
+    if where is not None:  # object storage: the disk reader, over a copy fetched as it reads
         from accelkit.checkpoint import remote
 
-        with remote.fetched(where, storage_options) as local:
-            return _load(backend, local, state, strict=strict, rng=rng, verify=verify)
+        with remote.opened(
+            where,
+            storage_options,
+            rank=backend.rank,
+            world=backend.world_size,
+            strict=strict,
+            verify=verify,
+            profile=profile,
+        ) as reader:
+            unconsumed = _load_from(backend, reader, state, rng=rng, profile=profile)
+        profiling.record(profile, "load")
+        return unconsumed
     _no_options(storage_options, path)
-    profile = profiling.SaveProfile()
     with profile.phase("open"):
         directory = storage.resolve(path)
         reader = CheckpointReader(directory, strict=strict, verify=verify)
