@@ -137,6 +137,36 @@ def test_a_flipped_byte_fails_the_share_that_holds_it_naming_the_object(s3, tmp_
     assert "accelkit-s3-load-" not in message
 
 
+def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeypatch):
+    """A load killed mid-way leaves its copy (in memory, by default); the next load on the
+    machine removes it: its lock died with its process. A copy still locked (a load running
+    elsewhere) or just made stays."""
+    import fcntl
+
+    from accelkit.checkpoint import remote
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv(remote.STAGING_ENV, str(staging))
+    accel, model = accelkit.get("cpu"), _model()
+    accel.save(s3.url("run/step-1"), {"model": model})
+    staging.mkdir(exist_ok=True)
+    folders = {name: staging / f"{remote.PARTIAL_PREFIX}{name}" for name in ("dead", "busy", "new")}
+    for name, folder in folders.items():
+        (folder / "step-1").mkdir(parents=True)
+        (folder / "step-1" / RANK_FILE).write_bytes(b"left over")
+        if name != "new":
+            os.utime(folder, (0, 0))
+    busy = os.open(folders["busy"], os.O_RDONLY)
+    try:
+        fcntl.flock(busy, fcntl.LOCK_SH)
+        accel.load(s3.url("run"), {"model": _model()})
+        assert sorted(p.name for p in staging.iterdir()) == sorted(
+            f.name for name, f in folders.items() if name != "dead"
+        )
+    finally:
+        os.close(busy)
+
+
 # ---- the worker (each rank of a 2-process FSDP job) ------------------------------------------------
 def load_worker(url: str, out: str, tag: str) -> dict[str, Any]:
     """fsdp x2 (gloo): train a different model one step, then load ``url`` into it; count the

@@ -62,6 +62,8 @@ from accelkit.errors import CheckpointError
 log = logging.getLogger("accelkit")
 
 LOAD_PREFIX = "accelkit-s3-load-"
+#: a load's partial copy, locked while the load runs (the tools' downloads hold no lock)
+PARTIAL_PREFIX = f"{LOAD_PREFIX}partial-"
 #: where rank files are staged before their upload and after their download (default: TMPDIR)
 STAGING_ENV = "ACCELKIT_S3_STAGING"
 #: a load's copy goes here (memory) when it fits and STAGING_ENV is not set
@@ -88,11 +90,14 @@ def _load_staging(nbytes: int) -> tuple[Path, int]:
     if root:
         Path(root).mkdir(parents=True, exist_ok=True)
     base = Path(root or tempfile.gettempdir())
-    for stale in base.glob(f"{LOAD_PREFIX}*"):
+    for stale in base.glob(f"{PARTIAL_PREFIX}*"):
         _remove_if_abandoned(stale)
-    folder = Path(tempfile.mkdtemp(prefix=LOAD_PREFIX, dir=base))
+    folder = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=base))
     lock = os.open(folder, os.O_RDONLY)
-    fcntl.flock(lock, fcntl.LOCK_SH)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+    except OSError:  # a filesystem without locks: nothing will take the folder for abandoned
+        pass
     return folder, lock
 
 
