@@ -21,6 +21,7 @@ file and the line of the block, and the line numbers of a traceback are the page
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib.util
 import os
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,6 +192,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: ``ACCELKIT_DOCS_FRESH=1``: every block in a fresh interpreter, as a user runs it (the default
+#: forks each one-process CPU block from an interpreter that imported torch and accelkit once)
+FRESH = "ACCELKIT_DOCS_FRESH"
+_SERVER: list[Any] = []
+
+
+def _fork_server(env: dict[str, str]) -> Any:
+    """The docs fork server (``docs_forkserver``), started on first use; None where it cannot run."""
+    if not _SERVER:
+        from docs_forkserver import ForkServer
+
+        try:
+            _SERVER.append(ForkServer(env))
+            atexit.register(_SERVER[0].close)
+        except RuntimeError:
+            _SERVER.append(None)
+    return _SERVER[0]
+
+
 def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
     script = workdir / f"doc_{block.path.stem}_{block.line}.py"
     # blank lines first, so that a traceback's line numbers are the page's
@@ -206,6 +227,10 @@ def run_block(block: DocBlock, workdir: Path) -> subprocess.CompletedProcess:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    if block.nproc == 1 and "cuda" not in block.requires and os.environ.get(FRESH) != "1":
+        server = _fork_server(env)
+        if server is not None:
+            return server.run(script, block.argv, workdir, env, block.timeout)
     if block.nproc > 1:
         command = [
             sys.executable,
@@ -438,3 +463,48 @@ def test_plugin_page_documents_every_capability_and_protocol_member() -> None:
         named |= {re.split(r"[(\s]", name)[0] for name in re.findall(r"`([^`]+)`", cell)}
     public = {name for name in vars(Backend) if not name.startswith("_")} | {"__init__"}
     assert public - named == set()
+
+
+EDGE_SCRIPTS = {
+    "exit-status": "import sys\nprint('out')\nsys.exit(3)\n",
+    "exit-message": "import sys\nsys.exit('a message')\n",
+    "exception": "print('before')\nraise ValueError('boom')\n",
+    "atexit-status": "import atexit, os\natexit.register(lambda: (print('bye'), os._exit(7)))\n",
+    "thread-joined": (
+        "import threading, time\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('late'))).start()\n"
+    ),
+    "where-it-runs": (
+        "import os, sys\nprint(sys.argv[1:], os.getcwd() == os.path.dirname(__file__),\n"
+        "      os.environ.get('DOC_PROBE'), sys.path[0] == os.path.dirname(__file__))\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_SCRIPTS))
+def test_the_fork_server_runs_a_block_as_a_fresh_interpreter_does(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default runs blocks through the fork server: status, stdout and stderr's last line
+    must be those of ``python script.py``, or the docs test could pass what a user's run fails."""
+    block = DocBlock(DOCS / "edge.md", 1, EDGE_SCRIPTS[name], timeout=60, argv=("x",))
+    monkeypatch.setenv("DOC_PROBE", "seen")
+    results = {}
+    for fresh in ("1", "0"):
+        monkeypatch.setenv(FRESH, fresh)
+        work = tmp_path / fresh
+        work.mkdir()
+        results[fresh] = run_block(block, work)
+    assert _SERVER and _SERVER[0] is not None, "the fork server did not start"
+    fresh, forked = results["1"], results["0"]
+    assert forked.returncode == fresh.returncode
+    assert forked.stdout == fresh.stdout
+    assert forked.stderr.strip().splitlines()[-1:] == fresh.stderr.strip().splitlines()[-1:]
+
+
+def test_a_block_past_its_timeout_is_stopped_and_the_next_runs(tmp_path: Path) -> None:
+    hung = DocBlock(DOCS / "hung.md", 1, "import time\ntime.sleep(600)\n", timeout=2)
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_block(hung, tmp_path)
+    after = DocBlock(DOCS / "after.md", 1, "print('ran')\n", timeout=60)
+    assert run_block(after, tmp_path).stdout == "ran\n"
