@@ -1,4 +1,6 @@
-"""Every ```python block of docs/**/*.md runs, each in a fresh interpreter, CPU only.
+"""Every ```python block of docs/**/*.md runs, each in its own process, CPU only (one-process
+blocks forked from an interpreter that imported torch once: ``docs_forkserver``;
+``ACCELKIT_DOCS_FRESH=1`` starts a fresh interpreter for each, as a user runs it).
 
 Marker convention (an HTML comment on the last non-blank line before the opening fence; it does
 not show when the page is rendered)::
