@@ -377,9 +377,16 @@ class _PartialCopy:
 
     @staticmethod
     def parts(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``ranges`` cut into requests of at most :data:`objectstore.PART_BYTES`."""
-        step = objectstore.PART_BYTES
-        return [(s, min(end, s + step)) for lo, end in ranges for s in range(lo, end, step)]
+        """``ranges`` cut into requests at the multiples of :data:`objectstore.PART_BYTES`: the
+        parts the object was uploaded in (a store keeps each as a piece; a request across two
+        reads both)."""
+        step, out = objectstore.PART_BYTES, []
+        for start, end in ranges:
+            while start < end:
+                stop = min(end, (start // step + 1) * step)
+                out.append((start, stop))
+                start = stop
+        return out
 
     def get(self, start: int, end: int) -> None:
         """Fetch ``[start, end)`` by one ranged GET into the copy, then record it."""
@@ -410,15 +417,19 @@ class _PartialCopy:
         if parts:  # on the pool's threads, whose part buffers go when the load ends
             _wait([self.pool.submit(self.get, *p) for p in parts])
 
-    def fetch_header(self) -> None:
+    def fetch_header(self, *, on_pool: bool = True) -> None:
         """The safetensors header: the first :data:`HEADER_BYTES`, and the rest of a longer
-        one (a malformed length is left for the reader to report)."""
-        for part in self.parts(self.missing(0, min(self.size, HEADER_BYTES))):
-            self.get(*part)  # on a thread of the pool already
+        one (a malformed length is left for the reader to report). Called on a thread of the
+        pool, or (``on_pool=False``) from another, through it."""
+        fetch = self._fetch_here if on_pool else self.ensure
+        fetch(0, HEADER_BYTES)
         if self.size >= 8:
             (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-            for part in self.parts(self.missing(0, min(self.size, 8 + min(length, 10**8)))):
-                self.get(*part)
+            fetch(0, 8 + min(length, 10**8))
+
+    def _fetch_here(self, offset: int, nbytes: int) -> None:
+        for part in self.parts(self.missing(offset, min(self.size, offset + nbytes))):
+            self.get(*part)
 
 
 class _Prechecks:
@@ -426,10 +437,9 @@ class _Prechecks:
     (:func:`~accelkit.checkpoint.validate.check_batches`) is checked on a worker as soon as all
     its bytes have landed. :meth:`result` is what the reader's ``prechecked`` returns."""
 
-    def __init__(self, reader: Any, spans: list[Any], copies: dict[str, _PartialCopy]) -> None:
-        from accelkit.checkpoint.validate import check_batches
-
-        self.reader, self.copies = reader, copies
+    def __init__(self, copies: dict[str, _PartialCopy]) -> None:
+        self.copies = copies
+        self.reader: Any = None
         self.pool = ThreadPoolExecutor(max_workers=HASH_WORKERS)
         self._lock = threading.Lock()
         self._futures: list[Any] = []
@@ -437,13 +447,25 @@ class _Prechecks:
         self._checked: set[tuple[str, str]] = set()
         # per file, in file order: [first byte, end, group, submitted]
         self._groups: dict[str, list[list[Any]]] = {}
+
+    def share(self, reader: Any, spans: list[Any]) -> None:
+        """Check ``spans`` (this rank's share) with ``reader``: those already in at once, the
+        others as they land (bytes may land before: the headers come first)."""
+        from accelkit.checkpoint.validate import check_batches
+
+        groups: dict[str, list[list[Any]]] = {}
         for group in check_batches(spans):
             lo, hi = group[0][1], group[-1][1] + group[-1][2]
-            self._groups.setdefault(group[0][0], []).append([lo, hi, group, False])
+            groups.setdefault(group[0][0], []).append([lo, hi, group, False])
+        with self._lock:
+            self.reader, self._groups = reader, groups
+        for name, copy in self.copies.items():
+            self.landed(name, 0, copy.size)
 
     def landed(self, name: str, start: int, end: int) -> None:
         """Bytes ``[start, end)`` of ``name`` are in: submit the groups now complete."""
-        groups = self._groups.get(name, [])
+        with self._lock:
+            groups = self._groups.get(name, [])
         for item in groups[bisect.bisect_right(groups, start, key=lambda g: g[1]) :]:
             lo, hi, group, submitted = item
             if lo >= end:
@@ -579,7 +601,29 @@ def opened(
                         copies[name] = _PartialCopy(store, target.child(name), path, size, pool)
                     else:  # extra.json: small, read whole
                         store.download(target.child(name).key, local / name, size, pool)
-                _wait([pool.submit(copy.fetch_header) for copy in copies.values()])
+                prechecks = _Prechecks(copies)
+
+                def part(name: str, start: int, end: int) -> None:
+                    copies[name].get(start, end)
+                    prechecks.landed(name, start, end)
+
+                def fetch(wanted: dict[str, list[tuple[int, int]]]) -> dict[str, list[Any]]:
+                    """Each file's parts of ``wanted`` not there yet, requested in order."""
+                    futures: dict[str, list[Any]] = {}
+                    for name, ranges in wanted.items():
+                        missing = [m for lo, hi in ranges for m in copies[name].missing(lo, hi)]
+                        futures[name] = [
+                            pool.submit(part, name, *p) for p in copies[name].parts(missing)
+                        ]
+                    return futures
+
+                if world == 1:  # every byte, requested at once; the headers come first
+                    futures = fetch({name: [(0, c.size)] for name, c in copies.items()})
+                    _wait([parts[0] for parts in futures.values() if parts])
+                    for copy in copies.values():
+                        copy.fetch_header(on_pool=False)  # a header longer than that part
+                else:
+                    _wait([pool.submit(copy.fetch_header) for copy in copies.values()])
 
                 def ensure(name: str, offset: int, nbytes: int) -> None:
                     copy = copies.get(name)
@@ -588,26 +632,10 @@ def opened(
 
                 reader = CheckpointReader(local, strict=strict, verify=verify, ensure=ensure)
                 spans = share_spans(reader, rank, world) if verify else []
-                prechecks = _Prechecks(reader, spans, copies)
-                if world == 1:  # the share is everything, and so is what the fill reads
-                    wanted = {name: [(0, copy.size)] for name, copy in copies.items()}
-                else:
-                    wanted = _share_ranges(spans)
-
-                def part(name: str, start: int, end: int) -> None:
-                    copies[name].get(start, end)
-                    prechecks.landed(name, start, end)
-
-                for name, copy in copies.items():  # groups that came with the header
-                    prechecks.landed(name, 0, copy.size)
-                futures = [
-                    pool.submit(part, name, *p)
-                    for name, ranges in wanted.items()
-                    for p in copies[name].parts(
-                        [m for lo, hi in ranges for m in copies[name].missing(lo, hi)]
-                    )
-                ]
-                _wait(futures)
+                prechecks.share(reader, spans)
+                if world > 1:
+                    futures = fetch(_share_ranges(spans))
+                _wait([future for parts in futures.values() for future in parts])
                 reader.prechecked = prechecks.result
             yield reader
         except CheckpointError as err:
