@@ -451,6 +451,22 @@ def _latest(s3, under: str) -> str | None:
     return body["Body"].read().decode().strip()
 
 
+def _serving(s3, key: str, timeout: float = 60.0) -> None:
+    """Wait until the restarted server serves ``key`` again: ``weed mini`` answers for its
+    bucket before its volume server has registered, and a GET in between fails."""
+    import time
+
+    client, deadline = s3.client(), time.monotonic() + timeout
+    while True:
+        try:
+            client.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/{key}")["Body"].read()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _kill_server_at_upload(monkeypatch, server) -> list:
     """SIGKILL the server as the first rank file upload begins (a crash mid-save)."""
     from accelkit.checkpoint import remote
@@ -490,6 +506,7 @@ def test_server_killed_during_a_save(own_s3_server, monkeypatch, asynchronous):
     for key, value in s3.server.env().items():
         monkeypatch.setenv(key, value)
     s3.server.start()
+    _serving(s3, "run/step-1/accelkit.json")  # another object than the one asserted on
     assert _latest(s3, "run") == "step-1"
     assert not [k for k in s3.keys("run") if k.endswith("step-2/accelkit.json")]
     accel2, state = _fresh()
