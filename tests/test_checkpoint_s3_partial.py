@@ -91,7 +91,7 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     read equals what safetensors itself reads from the object."""
     from safetensors.torch import load as load_safetensors
 
-    from accelkit.checkpoint import objectstore, remote
+    from accelkit.checkpoint import objectstore, remote_load
     from accelkit.checkpoint.validate import verify_share
 
     url = s3.url("run/step-1")
@@ -104,7 +104,7 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     shares = []
     for rank in (0, 1):
         fetched.clear()
-        with remote.opened(objectstore.location(url), rank=rank, world=2) as reader:
+        with remote_load.opened(objectstore.location(url), rank=rank, world=2) as reader:
             verify_share(reader, rank, 2)
             shares.append(sum(fetched))
             assert 0.25 * total < shares[-1] < 0.75 * total, (rank, shares[-1], total)
@@ -114,22 +114,22 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
                     assert torch.equal(got, raw[frag.key].view(-1)), frag.key
         assert sum(fetched) == total  # each byte fetched once, none twice
         assert _open_copies() == []
-    assert sum(shares) <= total + 2 * remote.HEADER_BYTES  # the shares do not overlap
+    assert sum(shares) <= total + 2 * remote_load.HEADER_BYTES  # the shares do not overlap
     assert _staging_leftovers() == leftovers
 
 
 def test_a_flipped_byte_fails_the_share_that_holds_it_naming_the_object(s3, tmp_path):
-    from accelkit.checkpoint import objectstore, remote
+    from accelkit.checkpoint import objectstore, remote_load
     from accelkit.checkpoint.validate import verify_share
 
     url = s3.url("run/step-1")
     _save_reference(url, tmp_path)
     _flip_where_only_rank_1_checks(s3, url)
-    with remote.opened(objectstore.location(url), rank=0, world=2) as reader:
+    with remote_load.opened(objectstore.location(url), rank=0, world=2) as reader:
         verify_share(reader, 0, 2)  # rank 0 checks only the first half: it passes
     with (
         pytest.raises(accelkit.CheckpointError) as caught,
-        remote.opened(objectstore.location(url), rank=1, world=2) as reader,
+        remote_load.opened(objectstore.location(url), rank=1, world=2) as reader,
     ):
         verify_share(reader, 1, 2)
     message = str(caught.value)
@@ -143,14 +143,16 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
     elsewhere) or just made stays."""
     import fcntl
 
-    from accelkit.checkpoint import remote
+    from accelkit.checkpoint import remote_load
 
     staging = tmp_path / "staging"
-    monkeypatch.setenv(remote.STAGING_ENV, str(staging))
+    monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))
     accel, model = accelkit.get("cpu"), _model()
     accel.save(s3.url("run/step-1"), {"model": model})
     staging.mkdir(exist_ok=True)
-    folders = {name: staging / f"{remote.PARTIAL_PREFIX}{name}" for name in ("dead", "busy", "new")}
+    folders = {
+        name: staging / f"{remote_load.PARTIAL_PREFIX}{name}" for name in ("dead", "busy", "new")
+    }
     for name, folder in folders.items():
         (folder / "step-1").mkdir(parents=True)
         (folder / "step-1" / RANK_FILE).write_bytes(b"left over")

@@ -247,9 +247,9 @@ def _load(
     where = objectstore.location(path)
     profile = profiling.SaveProfile()
     if where is not None:  # object storage: the disk reader, over a copy fetched as it reads
-        from accelkit.checkpoint import remote
+        from accelkit.checkpoint import remote_load
 
-        with remote.opened(
+        with remote_load.opened(
             where,
             storage_options,
             rank=backend.rank,

@@ -88,6 +88,10 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+def _all_there(name: str, offset: int, nbytes: int) -> None:
+    """A checkpoint on disk: every byte is there to read."""
+
+
 def _digest(algorithm: str, view: memoryview) -> str:
     return digest_of(algorithm, view)
 
@@ -112,19 +116,16 @@ class CheckpointReader:
     ) -> None:
         """``manifest``: read these files as it describes them (pretrained safetensors, which
         have no ``accelkit.json``; ``described_by`` names what the messages cite instead).
-        ``ensure(file, offset, nbytes)``: called before each read of a rank file's bytes, to
-        bring in those not there yet (a partial local copy of a checkpoint in object storage,
-        :mod:`accelkit.checkpoint.remote`); it raises :class:`CheckpointError` if it cannot."""
+        ``ensure(file, offset, nbytes)``: called before each read of a rank file's bytes, to bring
+        in those not there yet (:mod:`accelkit.checkpoint.remote_load`), or raise CheckpointError."""
         from accelkit.checkpoint.storage import resolve
 
         self.directory = resolve(directory) if manifest is None else Path(directory)
         self.strict = strict
         self.verify = verify
-        self.ensure = ensure
-        #: set by whoever hashed fragments before the load's validate phase (an object-storage
-        #: load, while they downloaded): a callable returning ``(checked, failed)``, the
-        #: ``(file, key)`` of every fragment hashed and the errors of those that failed;
-        #: :func:`accelkit.checkpoint.validate.verify_share` reads only the others
+        self.ensure = ensure or _all_there
+        #: fragments hashed before the validate phase (an object-storage load, as they arrived):
+        #: ``() -> (checked (file, key)s, errors)``; ``verify_share`` reads only the others
         self.prechecked: Callable[[], tuple[set[tuple[str, str]], list[CheckpointError]]] | None
         self.prechecked = None
         self.manifest = Manifest.read(self.directory) if manifest is None else manifest
@@ -346,8 +347,7 @@ class CheckpointReader:
         buffer = view
         remaining, position = frag.numel * element, offset
         try:
-            if self.ensure is not None:
-                self.ensure(frag.file, offset, remaining)
+            self.ensure(frag.file, offset, remaining)
             while remaining:
                 n = min(remaining, len(buffer))
                 _pread_into(rank_file.fd, view[:n], position)
@@ -379,8 +379,7 @@ class CheckpointReader:
         view = self._thread_buffer(end - begin)[: end - begin]
         path = self.directory / name
         try:
-            if self.ensure is not None:
-                self.ensure(name, begin, end - begin)
+            self.ensure(name, begin, end - begin)
             _pread_into(self._file(name).fd, view, begin)
         except OSError as err:
             raise CheckpointError(f"{path}: {err} (fragments of {run[0][3].label})") from err
@@ -542,9 +541,8 @@ class CheckpointReader:
                 )
                 return
         try:
-            if self.ensure is not None:
-                lo, hi = (0, frag.numel) if verify and not (direct and whole) else (a, b)
-                self.ensure(frag.file, offset + lo * element, (hi - lo) * element)
+            lo, hi = (0, frag.numel) if verify and not (direct and whole) else (a, b)
+            self.ensure(frag.file, offset + lo * element, (hi - lo) * element)
             if direct and (whole or not verify):
                 view = tensor_bytes(dst)
                 _pread_into(rank_file.fd, view, offset + a * element)
@@ -601,8 +599,7 @@ class CheckpointReader:
         slot = slots.acquire()
         try:
             try:
-                if self.ensure is not None:
-                    self.ensure(last[3].name, begin, end - begin)
+                self.ensure(last[3].name, begin, end - begin)
                 _pread_into(fd, tensor_bytes(slot[: end - begin]), begin)
             except OSError as err:
                 raise CheckpointError(f"{last[3]}: {err} (tensor {batch[0][4].label})") from err
@@ -623,8 +620,7 @@ class CheckpointReader:
         destination, or through pinned slots into a GPU one (each slot's copy overlapping the
         next slot's read)."""
         try:
-            if self.ensure is not None:
-                self.ensure(path.name, offset, dst.numel() * dst.element_size())
+            self.ensure(path.name, offset, dst.numel() * dst.element_size())
             if dst.device.type == "cpu":
                 _pread_into(fd, tensor_bytes(dst), offset)
                 return

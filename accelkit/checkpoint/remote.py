@@ -20,7 +20,7 @@ Each step closes as a disk save's does (:mod:`accelkit.checkpoint.commit`): ever
 another rank is bounded, and every rank raises the same error.
 
 A location without a manifest is not a checkpoint: ``load``, ``latest`` and ``auto_resume`` never
-see an interrupted save. A load (:func:`opened`) reads with the disk reader over a partial local
+see an interrupted save. A load (:func:`accelkit.checkpoint.remote_load.opened`) reads with the disk reader over a partial local
 copy: each rank downloads the rank files' headers and its share of the checksums (parallel
 ranged GETs, each group of fragments hashed as soon as it has landed), and any other range its
 fill reads when it reads it; with one rank, that is every byte, fetched up front. Every checksum
@@ -30,18 +30,13 @@ is still checked, by some rank, before any live tensor is written. The tools (``
 
 from __future__ import annotations
 
-import bisect
-import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
-import struct
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -62,12 +57,8 @@ from accelkit.errors import CheckpointError
 log = logging.getLogger("accelkit")
 
 LOAD_PREFIX = "accelkit-s3-load-"
-#: a load's partial copy, locked while the load runs (the tools' downloads hold no lock)
-PARTIAL_PREFIX = f"{LOAD_PREFIX}partial-"
 #: where rank files are staged before their upload and after their download (default: TMPDIR)
 STAGING_ENV = "ACCELKIT_S3_STAGING"
-#: a load's copy goes here (memory) when it fits and STAGING_ENV is not set
-MEMORY_STAGING = "/dev/shm"
 
 
 def _staging_dir(prefix: str) -> Path:
@@ -75,62 +66,6 @@ def _staging_dir(prefix: str) -> Path:
     if root:
         Path(root).mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-
-
-def _load_staging(nbytes: int) -> tuple[Path, int]:
-    """A new folder for a load's local copy, and a descriptor holding a lock on it while the
-    load runs: in :data:`STAGING_ENV` if set; else in memory (:data:`MEMORY_STAGING`, a tmpfs:
-    the copy lives only while the load runs, and a disk would write it out for nothing) when
-    the ``nbytes`` each rank of this node may fetch fit there and in a quarter of the available
-    memory; else in the temp dir. Copies left there by killed processes (their lock is gone
-    with them) are removed first."""
-    root = os.environ.get(STAGING_ENV) or None
-    if root is None and _fits_in_memory(nbytes):
-        root = MEMORY_STAGING
-    if root:
-        Path(root).mkdir(parents=True, exist_ok=True)
-    base = Path(root or tempfile.gettempdir())
-    for stale in base.glob(f"{PARTIAL_PREFIX}*"):
-        _remove_if_abandoned(stale)
-    folder = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=base))
-    lock = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_SH)
-    except OSError:  # a filesystem without locks: nothing will take the folder for abandoned
-        pass
-    return folder, lock
-
-
-def _remove_if_abandoned(folder: Path) -> None:
-    """Remove a load's folder whose process is gone: no lock on it, and not just made."""
-    try:
-        if time.time() - folder.stat().st_mtime < 60:
-            return
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return  # in use
-    else:
-        shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        os.close(fd)
-
-
-def _fits_in_memory(nbytes: int) -> bool:
-    try:
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-        room = os.statvfs(MEMORY_STAGING)
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, ValueError, KeyError):
-        return False
-    need = nbytes * ranks
-    writable = os.access(MEMORY_STAGING, os.W_OK)
-    return writable and need <= room.f_bavail * room.f_frsize // 2 and need <= available // 4
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -305,239 +240,6 @@ def fetched(
         shutil.rmtree(local.parent, ignore_errors=True)
 
 
-# ---- loading: a partial local copy, fetched as the load reads ------------------------------------
-#: bytes of each rank file's start fetched first, for its safetensors header (more if it is longer)
-HEADER_BYTES = 64 << 10
-#: threads hashing this rank's verify share while the rest of it downloads, and the bytes each
-#: keeps mapped at a time
-HASH_WORKERS = 2
-HASH_CHUNK_BYTES = 8 << 20
-
-_buffers = threading.local()
-
-
-def _part_buffer() -> memoryview:
-    """This thread's reusable buffer of one part (a fresh one per part would be zeroed first)."""
-    buffer = getattr(_buffers, "part", None)
-    if buffer is None:
-        buffer = _buffers.part = memoryview(bytearray(objectstore.PART_BYTES))
-    return buffer
-
-
-def _wait(futures: list[Any]) -> None:
-    """Wait for every future; on the first error, cancel those not started and raise it."""
-    failed = None
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as err:
-            if failed is None:
-                failed = err
-                for other in futures:
-                    other.cancel()
-    if failed is not None:
-        raise failed
-
-
-class _PartialCopy:
-    """A local sparse copy of one object and the record of the byte ranges it holds; what is
-    not there yet is fetched by ranged GETs (parallel parts) before it is read."""
-
-    def __init__(
-        self, store: objectstore.ObjectStore, where: S3Location, path: Path, size: int, pool: Any
-    ) -> None:
-        self.store, self.where, self.path, self.size, self.pool = store, where, path, size, pool
-        self.fetched = 0  # bytes downloaded
-        self._present: list[tuple[int, int]] = []  # sorted, disjoint, merged [start, end)
-        self._lock = threading.Lock()
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, size)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def missing(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The ranges of ``[start, end)`` the copy does not hold yet."""
-        out, position = [], start
-        with self._lock:
-            first = max(0, bisect.bisect_right(self._present, start, key=lambda r: r[0]) - 1)
-            for lo, hi in self._present[first:]:
-                if lo >= end:
-                    break
-                if lo > position:
-                    out.append((position, lo))
-                position = max(position, hi)
-                if position >= end:
-                    break
-        if position < end:
-            out.append((position, end))
-        return out
-
-    @staticmethod
-    def parts(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``ranges`` cut into requests at the multiples of :data:`objectstore.PART_BYTES`: the
-        parts the object was uploaded in (a store keeps each as a piece; a request across two
-        reads both)."""
-        step, out = objectstore.PART_BYTES, []
-        for start, end in ranges:
-            while start < end:
-                stop = min(end, (start // step + 1) * step)
-                out.append((start, stop))
-                start = stop
-        return out
-
-    def get(self, start: int, end: int) -> None:
-        """Fetch ``[start, end)`` by one ranged GET into the copy, then record it."""
-        view = _part_buffer()[: end - start]
-        self.store.read_into(self.where.key, view, start)
-        try:
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self.fd, view[done:], start + done)
-        except OSError as err:
-            raise CheckpointError(
-                f"{self.where}: cannot keep the downloaded bytes in the local staging folder "
-                f"({err}); point {STAGING_ENV} at a folder with room"
-            ) from err
-        with self._lock:
-            present = self._present
-            i = bisect.bisect_left(present, start, key=lambda r: r[1])
-            j, lo, hi = i, start, end
-            while j < len(present) and present[j][0] <= hi:
-                lo, hi = min(lo, present[j][0]), max(hi, present[j][1])
-                j += 1
-            present[i:j] = [(lo, hi)]
-            self.fetched += end - start
-
-    def ensure(self, offset: int, nbytes: int) -> None:
-        """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns."""
-        parts = self.parts(self.missing(offset, min(self.size, offset + nbytes)))
-        if parts:  # on the pool's threads, whose part buffers go when the load ends
-            _wait([self.pool.submit(self.get, *p) for p in parts])
-
-    def fetch_header(self, *, on_pool: bool = True) -> None:
-        """The safetensors header: the first :data:`HEADER_BYTES`, and the rest of a longer
-        one (a malformed length is left for the reader to report). Called on a thread of the
-        pool, or (``on_pool=False``) from another, through it."""
-        fetch = self._fetch_here if on_pool else self.ensure
-        fetch(0, HEADER_BYTES)
-        if self.size >= 8:
-            (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-            fetch(0, 8 + min(length, 10**8))
-
-    def _fetch_here(self, offset: int, nbytes: int) -> None:
-        for part in self.parts(self.missing(offset, min(self.size, offset + nbytes))):
-            self.get(*part)
-
-
-class _Prechecks:
-    """Hashes this rank's verify share while it downloads: each group of fragments
-    (:func:`~accelkit.checkpoint.validate.check_batches`) is checked on a worker as soon as all
-    its bytes have landed. :meth:`result` is what the reader's ``prechecked`` returns."""
-
-    def __init__(self, copies: dict[str, _PartialCopy]) -> None:
-        self.copies = copies
-        self.reader: Any = None
-        self.pool = ThreadPoolExecutor(max_workers=HASH_WORKERS)
-        self._lock = threading.Lock()
-        self._futures: list[Any] = []
-        self._failed: list[tuple[tuple[str, int], CheckpointError]] = []
-        self._checked: set[tuple[str, str]] = set()
-        # per file, in file order: [first byte, end, group, submitted]
-        self._groups: dict[str, list[list[Any]]] = {}
-
-    def share(self, reader: Any, spans: list[Any]) -> None:
-        """Check ``spans`` (this rank's share) with ``reader``: those already in at once, the
-        others as they land (bytes may land before: the headers come first)."""
-        from accelkit.checkpoint.validate import check_batches
-
-        groups: dict[str, list[list[Any]]] = {}
-        for group in check_batches(spans):
-            lo, hi = group[0][1], group[-1][1] + group[-1][2]
-            groups.setdefault(group[0][0], []).append([lo, hi, group, False])
-        with self._lock:
-            self.reader, self._groups = reader, groups
-        for name, copy in self.copies.items():
-            self.landed(name, 0, copy.size)
-
-    def landed(self, name: str, start: int, end: int) -> None:
-        """Bytes ``[start, end)`` of ``name`` are in: submit the groups now complete."""
-        with self._lock:
-            groups = self._groups.get(name, [])
-        for item in groups[bisect.bisect_right(groups, start, key=lambda g: g[1]) :]:
-            lo, hi, group, submitted = item
-            if lo >= end:
-                break
-            if submitted or self.copies[name].missing(lo, hi):
-                continue
-            with self._lock:
-                if not item[3]:
-                    item[3] = True
-                    self._futures.append(self.pool.submit(self._check, group))
-
-    def _check(self, group: list[Any]) -> None:
-        """Hash each fragment of ``group`` where it lies in the copy: mapped, not copied, and
-        unmapped chunk by chunk as it goes (the process holds no more than a chunk of it)."""
-        from accelkit.checkpoint.digest import hasher
-
-        lo, hi = group[0][1], group[-1][1] + group[-1][2]
-        start = lo - lo % mmap.ALLOCATIONGRANULARITY
-        failed = None
-        with mmap.mmap(
-            self.copies[group[0][0]].fd, hi - start, offset=start, access=mmap.ACCESS_READ
-        ) as mapped:
-            view = memoryview(mapped)
-            try:
-                released = 0
-                for _, offset, nbytes, entry, i in group:
-                    frag = entry.fragments[i]
-                    digest = hasher(frag.algorithm)
-                    position, end = offset - start, offset - start + nbytes
-                    while position < end:
-                        stop = min(end, position + HASH_CHUNK_BYTES)
-                        digest.update(view[position:stop])
-                        position = stop
-                        done = position - position % mmap.PAGESIZE
-                        if done - released >= HASH_CHUNK_BYTES:
-                            mapped.madvise(mmap.MADV_DONTNEED, released, done - released)
-                            released = done
-                    got = digest.hexdigest()
-                    if got != frag.digest and failed is None:
-                        failed = self.reader._checksum_error(entry, frag, got)
-            finally:
-                view.release()
-        with self._lock:
-            if failed is not None:
-                self._failed.append(((group[0][0], group[0][1]), failed))
-            self._checked.update((s[0], s[3].fragments[s[4]].key) for s in group)
-
-    def result(self) -> tuple[set[tuple[str, str]], list[CheckpointError]]:
-        """The fragments checked and the errors of those that failed, in file order (after the
-        checks in flight)."""
-        for future in list(self._futures):
-            future.exception()
-        with self._lock:
-            failed = [err for _, err in sorted(self._failed, key=lambda f: f[0])]
-            return set(self._checked), failed
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _share_ranges(spans: list[Any]) -> dict[str, list[tuple[int, int]]]:
-    """The byte ranges of ``spans`` (in file order), per file, back-to-back ones merged."""
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for name, offset, nbytes, _, _ in spans:
-        mine = ranges.setdefault(name, [])
-        if mine and mine[-1][1] == offset:
-            mine[-1] = (mine[-1][0], offset + nbytes)
-        elif nbytes:
-            mine.append((offset, offset + nbytes))
-    return ranges
-
-
 def _listed_files(target: S3Location, store: objectstore.ObjectStore, raw: bytes) -> dict[str, int]:
     """The files the manifest ``raw`` lists, each with its object's size; a missing one
     raises, naming them all."""
@@ -556,108 +258,6 @@ def _listed_files(target: S3Location, store: objectstore.ObjectStore, raw: bytes
             "is incomplete: copy the objects back, or load another checkpoint."
         )
     return {name: present[name] for name in names}
-
-
-@contextmanager
-def opened(
-    where: S3Location,
-    storage_options: dict[str, Any] | None = None,
-    *,
-    rank: int = 0,
-    world: int = 1,
-    strict: bool = True,
-    verify: bool = True,
-    profile: Any = None,
-) -> Iterator[Any]:
-    """A :class:`~accelkit.checkpoint.reader.CheckpointReader` of the checkpoint ``where``
-    names (after ``latest``), for rank ``rank`` of ``world``, over a partial local copy. Before
-    it yields: the manifest, ``extra.json`` and each rank file's header, then this rank's
-    verify share (:func:`~accelkit.checkpoint.validate.share_spans`; everything with one rank),
-    each group of fragments hashed as soon as it has landed. Any other range is fetched when
-    the load reads it. Errors name the S3 objects, never the temporary files, which are gone
-    when it exits."""
-    from accelkit.checkpoint.reader import CheckpointReader
-    from accelkit.checkpoint.validate import share_spans
-
-    profile = profile or profiling.SaveProfile()
-    with profile.phase("download"):
-        target = resolve(where, storage_options)
-        store = objectstore.store_for(target, storage_options)
-        raw = store.get(target.child(MANIFEST_NAME).key)
-        files = _listed_files(target, store, raw)
-        staging, lock = _load_staging(sum(files.values()))
-        local = staging / target.name
-    copies: dict[str, _PartialCopy] = {}
-    pool = _pool()
-    reader = prechecks = None
-    try:
-        try:
-            with profile.phase("download"):
-                local.mkdir()
-                (local / MANIFEST_NAME).write_bytes(raw)
-                for name, size in files.items():
-                    if name.endswith(".safetensors"):
-                        path = local / name
-                        copies[name] = _PartialCopy(store, target.child(name), path, size, pool)
-                    else:  # extra.json: small, read whole
-                        store.download(target.child(name).key, local / name, size, pool)
-                prechecks = _Prechecks(copies)
-
-                def part(name: str, start: int, end: int) -> None:
-                    copies[name].get(start, end)
-                    prechecks.landed(name, start, end)
-
-                def fetch(wanted: dict[str, list[tuple[int, int]]]) -> dict[str, list[Any]]:
-                    """Each file's parts of ``wanted`` not there yet, requested in order."""
-                    futures: dict[str, list[Any]] = {}
-                    for name, ranges in wanted.items():
-                        missing = [m for lo, hi in ranges for m in copies[name].missing(lo, hi)]
-                        futures[name] = [
-                            pool.submit(part, name, *p) for p in copies[name].parts(missing)
-                        ]
-                    return futures
-
-                if world == 1:  # every byte, requested at once; the headers come first
-                    futures = fetch({name: [(0, c.size)] for name, c in copies.items()})
-                    _wait([parts[0] for parts in futures.values() if parts])
-                    for copy in copies.values():
-                        copy.fetch_header(on_pool=False)  # a header longer than that part
-                else:
-                    _wait([pool.submit(copy.fetch_header) for copy in copies.values()])
-
-                def ensure(name: str, offset: int, nbytes: int) -> None:
-                    copy = copies.get(name)
-                    if copy is not None:
-                        copy.ensure(offset, nbytes)
-
-                reader = CheckpointReader(local, strict=strict, verify=verify, ensure=ensure)
-                spans = share_spans(reader, rank, world) if verify else []
-                prechecks.share(reader, spans)
-                if world > 1:
-                    futures = fetch(_share_ranges(spans))
-                _wait([future for parts in futures.values() for future in parts])
-                reader.prechecked = prechecks.result
-            yield reader
-        except CheckpointError as err:
-            raise _renamed(err, local, target) from err
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        if prechecks is not None:
-            prechecks.close()
-        if reader is not None:
-            reader.close()
-        if copies:
-            log.debug(
-                "rank %d fetched %d of the %d bytes of %s's rank files",
-                rank,
-                sum(c.fetched for c in copies.values()),
-                sum(c.size for c in copies.values()),
-                target,
-            )
-        for copy in copies.values():
-            copy.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        os.close(lock)
 
 
 def _cited(err: CheckpointError, pairs: list[tuple[Path, Any]]) -> CheckpointError:
