@@ -168,6 +168,7 @@ def session_block(blocks: list[DocBlock]) -> DocBlock:
         requires=requires,
         timeout=sum(b.timeout for b in runnable) or DEFAULT_TIMEOUT_S,
         session=True,
+        slow=any(b.slow for b in runnable),  # a page with a block marked slow is a slow session
     )
 
 

@@ -1054,6 +1054,7 @@ def test_unencodable_state_is_dropped_with_a_warning(caplog: pytest.LogCaptureFi
     assert "meta.fn" in caplog.text
 
 
+@pytest.mark.slow  # a fresh interpreter importing MMEngine: 5-13 s
 def test_import_accelkit_does_not_import_mmengine() -> None:
     code = (
         "import sys, accelkit; accelkit.get('cpu'); "
