@@ -117,6 +117,7 @@ def test_fp8_mixed_tracks_bf16_mixed_within_the_measured_gap(raw_runs):
     assert fp8[-1] < fp8[0] - 0.3  # it learns: 5.59 -> 5.03 over the run
 
 
+@pytest.mark.slow  # two fp8 loops on the CPU reference kernel: 5-8 s
 def test_rowwise_recipe_matches_the_raw_loop():
     expected = train_raw(
         precision="fp8-mixed", steps=4, batch=BATCH, lr=LR, model_kwargs=MODEL, recipe="rowwise"

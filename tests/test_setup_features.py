@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -233,6 +234,7 @@ def ddp_worker() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # 2 ranks compiling: 5-10 s
 def test_ddp_activation_checkpointing_and_compile_keep_the_numbers():
     ranks = run_ranks("test_setup_features:ddp_worker", timeout=300)
     for rank, out in enumerate(ranks):
