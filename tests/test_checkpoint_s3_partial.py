@@ -68,8 +68,9 @@ def _flip_where_only_rank_1_checks(s3, url: str) -> int:
     return offset
 
 
-def _counting(monkeypatch) -> list[int]:
-    """Count the bytes of every ranged GET of a rank file (this process)."""
+def _counting(patch: Any) -> list[int]:
+    """Count the bytes of every ranged GET of a rank file (this process); ``patch`` sets the
+    counting method in place (``monkeypatch.setattr`` in a test, ``setattr`` in a rank)."""
     from accelkit.checkpoint import objectstore
 
     fetched: list[int] = []
@@ -80,7 +81,7 @@ def _counting(monkeypatch) -> list[int]:
             fetched.append(view.nbytes)
         real(self, key, view, offset)
 
-    monkeypatch.setattr(objectstore.ObjectStore, "read_into", counted)
+    patch(objectstore.ObjectStore, "read_into", counted)
     return fetched
 
 
@@ -99,7 +100,7 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     key = f"{s3.prefix}/run/step-1/{RANK_FILE}"
     raw = load_safetensors(s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     total = _rank_file_bytes(s3, url)
-    fetched = _counting(monkeypatch)
+    fetched = _counting(monkeypatch.setattr)
     leftovers = _staging_leftovers()
     shares = []
     for rank in (0, 1):
@@ -173,17 +174,7 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
 def load_worker(url: str, out: str, tag: str) -> dict[str, Any]:
     """fsdp x2 (gloo): train a different model one step, then load ``url`` into it; count the
     bytes of every ranged GET of a rank file; dump the full state (raw path) after the load."""
-    from accelkit.checkpoint import objectstore
-
-    fetched: list[int] = []
-    real = objectstore.ObjectStore.read_into
-
-    def counted(self: Any, key: str, view: memoryview, offset: int) -> None:
-        if key.endswith(".safetensors"):
-            fetched.append(view.nbytes)
-        real(self, key, view, offset)
-
-    objectstore.ObjectStore.read_into = counted  # type: ignore[method-assign]
+    fetched = _counting(setattr)
     accel = accelkit.get("fsdp", device="cpu")
     torch.manual_seed(100 + accel.rank)
     model = _model()
