@@ -21,6 +21,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -236,8 +237,9 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        if server is not None:
+        if server is not None:  # and its data
             server.stop()
+            shutil.rmtree(server.directory, ignore_errors=True)
     print(json.dumps(results))
 
 

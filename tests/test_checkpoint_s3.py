@@ -471,7 +471,7 @@ def _kill_server_at_upload(monkeypatch, server) -> list:
     """SIGKILL the server as the first rank file upload begins (a crash mid-save)."""
     from accelkit.checkpoint import remote
 
-    real, killed = remote.upload_rank_file, []
+    real, killed = remote._upload_rank_file, []
 
     def upload(*args, **kwargs):
         if not killed:
@@ -479,7 +479,7 @@ def _kill_server_at_upload(monkeypatch, server) -> list:
             killed.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(remote, "upload_rank_file", upload)
+    monkeypatch.setattr(remote, "_upload_rank_file", upload)
     return killed
 
 

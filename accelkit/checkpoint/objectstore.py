@@ -18,7 +18,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,10 @@ __all__ = ["ObjectStore", "S3Location", "location", "store_for"]
 
 SCHEMES = ("s3",)
 INSTALL_HINT = "pip install 'accelkit[s3]'"
-#: multipart part size and the parallel requests of one transfer
+#: multipart part size (larger for objects of over ``MAX_PARTS`` of them) and the parallel
+#: requests of one transfer
 PART_BYTES = 8 << 20
+MAX_PARTS = 10_000
 CONCURRENCY = 8
 #: attempts per request (botocore's standard mode: bounded exponential backoff)
 MAX_ATTEMPTS = 5
@@ -141,6 +143,13 @@ class BucketMissing(ObjectMissing):
 
 class ObjectExists(CheckpointError):
     """A conditional create found the object already there."""
+
+
+def part_bytes(size: int) -> int:
+    """The part size of a multipart upload of ``size`` bytes: 8 MiB, or whole MiBs enough to stay
+    within S3's 10,000 parts (an 80 GB rank file takes 9 MiB parts)."""
+    least = -(-size // (MAX_PARTS - 1))
+    return max(PART_BYTES, -(-least // (1 << 20)) << 20)
 
 
 class ObjectStore:
@@ -319,53 +328,69 @@ class ObjectStore:
         """A local file to ``key``: one PUT when small, else a multipart upload whose parts go
         in parallel; a failed multipart upload is aborted, so it leaves no parts behind."""
         size = source.stat().st_size
-        if size <= PART_BYTES:
+        step = part_bytes(size)
+        if size <= step:
             self.put(key, source.read_bytes())
             return
-        upload = self._call(
-            "writing", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=key
-        )
-        upload_id = upload["UploadId"]
+        upload_id = self.start_upload(key)
         fd = os.open(source, os.O_RDONLY)
+        futures: list[Future] = []
         try:
 
             def part(number: int) -> dict[str, Any]:
-                start = (number - 1) * PART_BYTES
-                body = os.pread(fd, min(PART_BYTES, size - start), start)
-                reply = self._call(
-                    "writing",
-                    key,
-                    self.client.upload_part,
-                    Bucket=self.bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=body,
-                )
-                return {"PartNumber": number, "ETag": reply["ETag"]}
+                start = (number - 1) * step
+                return self.upload_part(key, upload_id, number, os.pread(fd, step, start))
 
-            count = (size + PART_BYTES - 1) // PART_BYTES
+            count = (size + step - 1) // step
             futures = [pool.submit(part, n) for n in range(1, count + 1)]
-            parts = [f.result() for f in futures]
-            self._call(
-                "writing",
-                key,
-                self.client.complete_multipart_upload,
-                Bucket=self.bucket,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
+            self.complete_upload(key, upload_id, [f.result() for f in futures])
         except BaseException:
-            for future in futures if "futures" in locals() else []:
+            for future in futures:
                 future.cancel()
-            try:
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except Exception as err:  # the server may be the reason we are here
-                log.warning("could not abort the multipart upload of %s: %s", key, err)
+            self.abort_upload(key, upload_id)
             raise
         finally:
             os.close(fd)
+
+    def start_upload(self, key: str) -> str:
+        """A new multipart upload of ``key``; its id."""
+        reply = self._call(
+            "writing", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=key
+        )
+        return reply["UploadId"]
+
+    def upload_part(self, key: str, upload_id: str, number: int, body: Any) -> dict[str, Any]:
+        """One part (numbered from 1); what :meth:`complete_upload` needs of it."""
+        reply = self._call(
+            "writing",
+            key,
+            self.client.upload_part,
+            Bucket=self.bucket,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
+        self._call(
+            "writing",
+            key,
+            self.client.complete_multipart_upload,
+            Bucket=self.bucket,
+            Key=key,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
+        )
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload's parts (best effort: the server may be why it failed; the
+        next save's sweep aborts what is left)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as err:
+            log.warning("could not abort the multipart upload of %s: %s", key, err)
 
     def list(self, prefix: str) -> Iterator[tuple[str, int]]:
         """``(key, size)`` of every object under ``prefix``."""
@@ -421,6 +446,118 @@ class ObjectStore:
             except Exception as err:
                 log.debug("aborting %s: %s", upload["Key"], err)
         return count
+
+
+class UploadSink:
+    """A file's bytes, written at offsets by several threads at once, uploaded as they come: each
+    part goes up as soon as all of its bytes are there, while the rest is still being written
+    (a :class:`~accelkit.checkpoint.safetensors_io.Sink`). Nothing lands on a local disk.
+
+    Memory stays bounded: a writer waits while ``queued`` finished parts wait for the network.
+    A failed part fails the next write at once, and :meth:`close` aborts an unfinished upload,
+    so a failed save leaves no parts behind."""
+
+    work = "assemble"
+
+    def __init__(
+        self, store: ObjectStore, key: str, pool: ThreadPoolExecutor, queued: int = CONCURRENCY
+    ) -> None:
+        self.store, self.key, self.pool, self.queued = store, key, pool, queued
+        self.upload_id: str | None = None
+        self.total = self.step = 0
+        self.buffers: dict[int, bytearray] = {}
+        self.missing: dict[int, int] = {}  # part index -> bytes not yet written
+        self.futures: list[Future] = []
+        self.waiting = 0  # finished parts not yet sent
+        self.error: BaseException | None = None
+        self.done = False
+        self.cond = threading.Condition()
+
+    def open(self, total_bytes: int) -> None:
+        self.total, self.step = total_bytes, part_bytes(total_bytes)
+        if total_bytes > self.step:
+            self.upload_id = self.store.start_upload(self.key)
+
+    def _size(self, index: int) -> int:
+        return min(self.step, self.total - index * self.step)
+
+    def write(self, view: memoryview, offset: int) -> None:
+        view = view.cast("B") if view.format != "B" else view
+        done = 0
+        while done < view.nbytes:
+            at = offset + done
+            index, within = divmod(at, self.step)
+            take = min(view.nbytes - done, self._size(index) - within)
+            with self.cond:
+                self._raise_failed()
+                buffer = self.buffers.get(index)
+                if buffer is None:
+                    buffer = self.buffers[index] = bytearray(self._size(index))
+                    self.missing[index] = len(buffer)
+            buffer[within : within + take] = view[done : done + take]
+            with self.cond:
+                self.missing[index] -= take
+                if self.missing[index] == 0 and self.upload_id is not None:
+                    while self.waiting >= self.queued and self.error is None:
+                        self.cond.wait()
+                    self._raise_failed()
+                    del self.missing[index]
+                    self.waiting += 1
+                    self.futures.append(
+                        self.pool.submit(self._send, index + 1, self.buffers.pop(index))
+                    )
+            done += take
+
+    def _send(self, number: int, body: bytearray) -> dict[str, Any]:
+        try:
+            assert self.upload_id is not None
+            return self.store.upload_part(self.key, self.upload_id, number, body)
+        except BaseException as err:
+            with self.cond:
+                self.error = self.error or err
+            raise
+        finally:
+            with self.cond:
+                self.waiting -= 1
+                self.cond.notify_all()
+
+    def _raise_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def finish(self, profile: Any) -> None:
+        where = f"s3://{self.store.bucket}/{self.key}"
+        if self.upload_id is None:  # one part: one PUT
+            body = self.buffers.pop(0, bytearray())
+            if self.missing.pop(0, 0) or len(body) != self.total:
+                raise CheckpointError(f"{where}: bytes were left unwritten; nothing was stored")
+            self.store.put(self.key, bytes(body))
+            self.done = True
+            return
+        parts = [future.result() for future in self.futures]
+        count = -(-self.total // self.step)
+        if len(parts) != count:
+            raise CheckpointError(
+                f"{where}: {len(parts)} of {count} parts were written; nothing was stored"
+            )
+        self.store.complete_upload(self.key, self.upload_id, parts)
+        self.done = True
+
+    def close(self) -> None:
+        if self.done or self.upload_id is None:
+            return
+        with self.cond:
+            self.error = self.error or CheckpointError("the upload was abandoned")
+            self.cond.notify_all()
+        for future in self.futures:
+            future.cancel()
+        for future in self.futures:
+            if not future.cancelled():
+                try:
+                    future.result()
+                except BaseException:
+                    pass
+        self.store.abort_upload(self.key, self.upload_id)
 
 
 _stores: dict[tuple[str, tuple], ObjectStore] = {}

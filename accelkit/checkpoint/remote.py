@@ -437,12 +437,23 @@ def prepare(where: S3Location, storage_options: dict[str, Any] | None = None) ->
         )
 
 
-def upload_rank_file(
-    where: S3Location, local_file: Path, storage_options: dict[str, Any] | None = None
-) -> None:
+def _upload_rank_file(
+    where: S3Location,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    checksum: str,
+    profile: profiling.SaveProfile,
+    storage_options: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """This rank's file, written straight into a multipart upload: each part is sent as soon as
+    its bytes are written and hashed, with no local copy; the record, completed."""
+    from accelkit.checkpoint import writer
+
     store = objectstore.store_for(where, storage_options)
+    key = where.child(record["file"]["name"]).key
     with _pool() as pool:
-        store.upload(where.child(local_file.name).key, local_file, pool)
+        sink = objectstore.UploadSink(store, key, pool)
+        return writer._stream_planned(sink, where.name, record, to_write, checksum, profile)
 
 
 def commit_checkpoint(
@@ -691,23 +702,16 @@ def _upload_and_commit(
     rank = record["rank"]
     profile.tensors = len(to_write)
     profile.nbytes = sum(t.numel() * t.dtype.itemsize for _, t in to_write)
-    staging = _staging_dir("accelkit-s3-save-")
     error = None
     try:
-        local = staging / where.name
-        storage.temp_dir(local).mkdir(parents=True)
         with steps.working("written"):  # a long upload is not a dead rank
-            with profile.phase("write"):
-                record = writer._write_planned(local, record, to_write, checksum, profile)
-            to_write.clear()  # a snapshot's copies are released as soon as they are written
             with profile.phase("upload"):
-                upload_rank_file(
-                    where, storage.temp_dir(local) / record["file"]["name"], storage_options
+                record = _upload_rank_file(
+                    where, record, to_write, checksum, profile, storage_options
                 )
+            to_write.clear()  # a snapshot's copies are released once they are sent
     except Exception as err:
         error = err
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     with profile.phase("gather"):
         steps.report("written", error, f"saving {where}", group)
         records = writer._gather_to_rank0(record, group)

@@ -11,6 +11,7 @@ if this one was killed.
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import logging
 import mmap
@@ -112,15 +113,16 @@ HEADER_BYTES = 64 << 10
 HASH_WORKERS = 2
 HASH_CHUNK_BYTES = 8 << 20
 
-_buffers = threading.local()
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): a part's pages allocated in one call
+_POPULATE_WRITE = getattr(
+    mmap, "MADV_POPULATE_WRITE", 23 if os.uname().sysname == "Linux" else None
+)
 
 
-def _part_buffer() -> memoryview:
-    """This thread's reusable buffer of one part (a fresh one per part would be zeroed first)."""
-    buffer = getattr(_buffers, "part", None)
-    if buffer is None:
-        buffer = _buffers.part = memoryview(bytearray(objectstore.PART_BYTES))
-    return buffer
+def _page_span(start: int, end: int) -> tuple[int, int]:
+    """``[start, end)`` widened to whole pages: (first page's offset, length)."""
+    lo = start - start % mmap.PAGESIZE
+    return lo, end - lo
 
 
 def _wait(futures: list[Any]) -> None:
@@ -151,8 +153,15 @@ class _PartialCopy:
         self._lock = threading.Lock()
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.ftruncate(self.fd, size)
+        # bytes are received straight into the copy's pages: no buffer, no second copy
+        self._mapped = mmap.mmap(self.fd, size) if size else None
+        self._view = memoryview(self._mapped) if self._mapped is not None else memoryview(b"")
 
     def close(self) -> None:
+        self._view.release()
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -174,12 +183,10 @@ class _PartialCopy:
             out.append((position, end))
         return out
 
-    @staticmethod
-    def parts(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``ranges`` cut into requests at the multiples of :data:`objectstore.PART_BYTES`: the
-        parts the object was uploaded in (a store keeps each as a piece; a request across two
-        reads both)."""
-        step, out = objectstore.PART_BYTES, []
+    def parts(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` cut into requests at the multiples of the part size: the parts the object
+        was uploaded in (a store keeps each as a piece; a request across two reads both)."""
+        step, out = objectstore.part_bytes(self.size), []
         for start, end in ranges:
             while start < end:
                 stop = min(end, (start // step + 1) * step)
@@ -189,17 +196,13 @@ class _PartialCopy:
 
     def get(self, start: int, end: int) -> None:
         """Fetch ``[start, end)`` by one ranged GET into the copy, then record it."""
-        view = _part_buffer()[: end - start]
-        self.store.read_into(self.where.key, view, start)
-        try:
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self.fd, view[done:], start + done)
+        try:  # the range's room, taken now: a full tmpfs is an error here, not a SIGBUS later
+            os.posix_fallocate(self.fd, start, end - start)
+            if _POPULATE_WRITE is not None:  # and its pages mapped in one call, not one by one
+                self._populate(start, end)
         except OSError as err:
-            raise CheckpointError(
-                f"{self.where}: cannot keep the downloaded bytes in the local staging folder "
-                f"({err}); point {STAGING_ENV} at a folder with room"
-            ) from err
+            raise self._no_room(err) from err
+        self.store.read_into(self.where.key, self._view[start:end], start)
         with self._lock:
             present = self._present
             i = bisect.bisect_left(present, start, key=lambda r: r[1])
@@ -209,6 +212,21 @@ class _PartialCopy:
                 j += 1
             present[i:j] = [(lo, hi)]
             self.fetched += end - start
+
+    def _populate(self, start: int, end: int) -> None:
+        global _POPULATE_WRITE
+        try:
+            self._mapped.madvise(_POPULATE_WRITE, *_page_span(start, end))
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            _POPULATE_WRITE = None  # an older kernel: pages fault in as they are written
+
+    def _no_room(self, err: BaseException) -> CheckpointError:
+        return CheckpointError(
+            f"{self.where}: cannot keep the downloaded bytes in the local staging folder "
+            f"({err}); point {STAGING_ENV} at a folder with room"
+        )
 
     def ensure(self, offset: int, nbytes: int) -> None:
         """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns."""

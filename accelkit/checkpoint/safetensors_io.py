@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,6 +76,56 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+class Sink(Protocol):
+    """Where :func:`write_file` puts the file's bytes: a local file, or an object that is
+    uploaded part by part while the rest is still being written. ``write`` is called from
+    several threads at once, each with its own range."""
+
+    #: the name its writes are profiled under ("pwrite", "assemble")
+    work: str
+
+    def open(self, total_bytes: int) -> None: ...
+
+    def write(self, view: memoryview, offset: int) -> None: ...
+
+    def finish(self, profile: Any) -> None:
+        """Every byte is written: make them durable (fsync, or complete the upload)."""
+
+    def close(self) -> None:
+        """Release what ``open`` took; after an error, too (a sink may not be finished)."""
+
+
+class FileSink:
+    """A local file, written by ``pwrite``; each range is handed to the kernel's writeback at
+    once, and ``finish`` is the ``fsync`` (``fsync=False``: none, for a scratch file)."""
+
+    work = "pwrite"
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.path, self.fsync, self.fd = path, fsync, -1
+
+    def open(self, total_bytes: int) -> None:
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, view: memoryview, offset: int) -> None:
+        if view.nbytes:
+            pwrite_all(self.fd, view, offset)
+            start_writeback(self.fd, offset, view.nbytes)
+
+    def finish(self, profile: Any) -> None:
+        if self.fsync:
+            started = time.perf_counter()
+            os.fsync(self.fd)
+            if profile is not None:
+                spent = time.perf_counter() - started
+                profile.phases["fsync"] = profile.phases.get("fsync", 0.0) + spent
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 @dataclass
 class LazyTensor:
     """A tensor to write that is produced only when its turn comes (a conversion reads its
@@ -90,7 +140,7 @@ class LazyTensor:
 
 
 def write_file(
-    path: str | os.PathLike,
+    path: str | os.PathLike | Sink,
     tensors: Sequence[tuple[str, torch.Tensor | LazyTensor]],
     metadata: dict[str, str] | None = None,
     *,
@@ -111,7 +161,8 @@ def write_file(
     pieces, each piece's copy overlapping the previous piece's write; a :class:`LazyTensor` is
     fetched one at a time, with at most a few in flight. Each written range is handed to the
     kernel's writeback at once, so the disk works while the rest is produced and the final
-    ``fsync`` waits for the tail only. ``progress`` (a tqdm bar) is advanced by the bytes
+    ``fsync`` waits for the tail only. ``path`` may be a :class:`Sink` instead of a file name
+    (an object upload: ``fsync`` is then the sink's business). ``progress`` (a tqdm bar) is advanced by the bytes
     written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
     spent per kind of work.
     """
@@ -123,9 +174,10 @@ def write_file(
     lazy_in_flight: deque[Future] = deque()
     slots = None
     followed: set[torch.device] = set()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sink = FileSink(path, fsync=fsync) if isinstance(path, (str, os.PathLike)) else path
+    sink.open(data_start + sum(t.numel() * t.dtype.itemsize for _, t in tensors))
     try:
-        pwrite_all(fd, memoryview(prefix), 0)
+        sink.write(memoryview(prefix), 0)
         for key, item in tensors:
             begin = data_start + offsets[key]
             if isinstance(item, LazyTensor):
@@ -145,12 +197,12 @@ def write_file(
                     slots.follow_current_stream(tensor.device)
                     followed.add(tensor.device)
                 future = pool.submit(
-                    _stream_device_tensor, fd, tensor, begin, slots, checksum, profile
+                    _stream_device_tensor, sink, tensor, begin, slots, checksum, profile
                 )
             else:
                 host = _to_host(tensor)
                 view = tensor_bytes(host)
-                future = pool.submit(_write_and_hash, fd, view, begin, host, checksum, profile)
+                future = pool.submit(_write_and_hash, sink, view, begin, host, checksum, profile)
             nbytes = tensor.numel() * tensor.element_size()
             jobs.append((key, future, nbytes))
             if isinstance(item, LazyTensor):
@@ -162,16 +214,10 @@ def write_file(
             digests[key] = future.result()
             if progress is not None:
                 progress.update(nbytes)
-        if fsync:
-            started = time.perf_counter()
-            os.fsync(fd)
-            if profile is not None:
-                profile.phases["fsync"] = profile.phases.get("fsync", 0.0) + (
-                    time.perf_counter() - started
-                )
+        sink.finish(profile)
         return digests
     finally:
-        os.close(fd)
+        sink.close()
         if own_pool:
             pool.shutdown(wait=True)
 
@@ -206,7 +252,7 @@ def layout(
 
 
 def _write_and_hash(
-    fd: int,
+    sink: Sink,
     view: memoryview,
     offset: int,
     keepalive: torch.Tensor,
@@ -215,20 +261,18 @@ def _write_and_hash(
 ) -> str:
     """Runs in a pool thread: both calls release the GIL."""
     started = time.perf_counter()
-    if view.nbytes:
-        pwrite_all(fd, view, offset)
-        start_writeback(fd, offset, view.nbytes)
+    sink.write(view, offset)
     written = time.perf_counter()
     digest = digest_of(checksum, view)
     if profile is not None:
-        profile.add_work("pwrite", written - started)
+        profile.add_work(sink.work, written - started)
         profile.add_work("checksum", time.perf_counter() - written)
     del keepalive  # the host copy lives until its bytes are written and hashed
     return digest
 
 
 def _stream_device_tensor(
-    fd: int, tensor: torch.Tensor, offset: int, slots: Any, checksum: str, profile: Any
+    sink: Sink, tensor: torch.Tensor, offset: int, slots: Any, checksum: str, profile: Any
 ) -> str:
     """Runs in a pool thread: ``tensor`` (on a GPU) goes to the file piece by piece through two
     pinned slots, the next piece's copy running while this one is written and hashed."""
@@ -253,14 +297,13 @@ def _stream_device_tensor(
         event.synchronize()
         copied = time.perf_counter()
         view = tensor_bytes(slot[: hi - lo])
-        pwrite_all(fd, view, offset + lo)
-        start_writeback(fd, offset + lo, hi - lo)
+        sink.write(view, offset + lo)
         written = time.perf_counter()
         hasher.update(view)
         slots.release(slot)
         if profile is not None:
             profile.add_work("copy", copied - started)
-            profile.add_work("pwrite", written - copied)
+            profile.add_work(sink.work, written - copied)
             profile.add_work("checksum", time.perf_counter() - written)
 
     try:

@@ -249,6 +249,35 @@ def _write_planned(
                 written, to_write, spans, process, metadata, checksum, profile
             )
             return _complete(record, digests, checksum, written, file_path)
+    digests = _write_in_threads(written, path.name, rank, to_write, metadata, checksum, profile)
+    return _complete(record, digests, checksum, written, file_path)
+
+
+def _stream_planned(
+    sink: Any,
+    label: str,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    checksum: str,
+    profile: profiling.SaveProfile | None = None,
+) -> dict[str, Any]:
+    """Write a planned rank file into ``sink`` (an object upload, part by part as it is
+    written) instead of a local file; complete its record."""
+    rank = record["rank"]
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)}
+    digests = _write_in_threads(sink, label, rank, to_write, metadata, checksum, profile)
+    return _with_digests(record, digests, checksum, sink.total)
+
+
+def _write_in_threads(
+    destination: Any,
+    label: str,
+    rank: int,
+    to_write: list[tuple[str, Any]],
+    metadata: dict[str, str],
+    checksum: str,
+    profile: profiling.SaveProfile | None,
+) -> dict[str, str]:
     workers = max(1, min(8, (os.cpu_count() or 2)))
     initializer = None
     if profile is not None and profile.asynchronous:
@@ -256,14 +285,20 @@ def _write_planned(
         # leave the loop its CPU and its GIL (eight made a launch-bound step 10% slower)
         workers, initializer = min(workers, ASYNC_WRITERS), _lower_priority
     bar = progress.rank_zero_bar(
-        sum(t.numel() * t.element_size() for _, t in to_write), rank, f"saving {path.name}"
+        sum(t.numel() * t.element_size() for _, t in to_write), rank, f"saving {label}"
     )
     with ThreadPoolExecutor(max_workers=workers, initializer=initializer) as pool:
         digests = write_file(
-            written, to_write, metadata, pool=pool, checksum=checksum, profile=profile, progress=bar
+            destination,
+            to_write,
+            metadata,
+            pool=pool,
+            checksum=checksum,
+            profile=profile,
+            progress=bar,
         )
     progress.close(bar)
-    return _complete(record, digests, checksum, written, file_path)
+    return digests
 
 
 def _unique_sibling(file_path: Path) -> Path:
@@ -279,10 +314,16 @@ def _complete(
     """Give the finished file ``written`` its name ``file_path``; the rank's record with each
     fragment's checksum and the file's size."""
     os.rename(written, file_path)  # the directory's fsync at the commit makes it durable
+    return _with_digests(record, digests, checksum, file_path.stat().st_size)
+
+
+def _with_digests(
+    record: dict[str, Any], digests: dict[str, str], checksum: str, nbytes: int
+) -> dict[str, Any]:
     for rec in record["fragments"]:
         rec["digest"] = digests.get(rec["key"], "")
         rec["algorithm"] = checksum
-    record["file"] = {"name": record["file"]["name"], "bytes": file_path.stat().st_size}
+    record["file"] = {"name": record["file"]["name"], "bytes": nbytes}
     return record
 
 

@@ -31,6 +31,8 @@ ACCESS_KEY = "accelkit-test"
 SECRET_KEY = "accelkit-test-secret"
 #: seconds to wait for the S3 port to accept connections (it takes ~2 s on 2 cores)
 START_TIMEOUT = 60.0
+#: seconds a stopped server gets to exit before it is killed
+STOP_GRACE_S = 5.0
 # every service of ``weed mini`` gets a port of its own (each default would clash between two
 # servers, and their gRPC ports sit at +10000 unless given)
 _PORT_FLAGS = (
@@ -220,9 +222,11 @@ class LocalS3Server:
         self._signal(signal.SIGKILL)
 
     def stop(self) -> None:
-        self._signal(signal.SIGTERM)
+        """Stop the server; one still up after :data:`STOP_GRACE_S` is killed (after a busy
+        run, ``weed mini`` can wait its internal worker's reconnect timeouts before exiting)."""
+        self._signal(signal.SIGTERM, grace=STOP_GRACE_S)
 
-    def _signal(self, sig: int) -> None:
+    def _signal(self, sig: int, grace: float = 20.0) -> None:
         process, self.process = self.process, None
         if process is None:
             return
@@ -231,7 +235,7 @@ class LocalS3Server:
         except ProcessLookupError:
             pass
         try:
-            process.wait(timeout=20)
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=20)
