@@ -482,6 +482,8 @@ class UploadSink:
         return min(self.step, self.total - index * self.step)
 
     def write(self, view: memoryview, offset: int) -> None:
+        import numpy
+
         view = view.cast("B") if view.format != "B" else view
         done = 0
         while done < view.nbytes:
@@ -494,7 +496,11 @@ class UploadSink:
                 if buffer is None:
                     buffer = self.buffers[index] = bytearray(self._size(index))
                     self.missing[index] = len(buffer)
-            buffer[within : within + take] = view[done : done + take]
+            # numpy's copy releases the GIL (a bytearray's slice assignment holds it): the
+            # training loop beside an asynchronous save keeps running
+            numpy.frombuffer(buffer, numpy.uint8)[within : within + take] = numpy.frombuffer(
+                view[done : done + take], numpy.uint8
+            )
             with self.cond:
                 self.missing[index] -= take
                 if self.missing[index] == 0 and self.upload_id is not None:

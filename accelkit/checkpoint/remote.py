@@ -445,15 +445,33 @@ def _upload_rank_file(
     profile: profiling.SaveProfile,
     storage_options: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """This rank's file, written straight into a multipart upload: each part is sent as soon as
-    its bytes are written and hashed, with no local copy; the record, completed."""
+    """This rank's file to ``where``; the record, completed.
+
+    A synchronous save writes it straight into a multipart upload: each part is sent as soon as
+    its bytes are written and hashed, with no local copy. An asynchronous one, beside a training
+    loop, has the writer process write it to a local file first, away from the loop's GIL, and
+    then uploads that: its save takes longer, but the loop beside it runs faster
+    (docs/checkpoint.md, "Object storage", gives both figures)."""
     from accelkit.checkpoint import writer
 
     store = objectstore.store_for(where, storage_options)
     key = where.child(record["file"]["name"]).key
-    with _pool() as pool:
-        sink = objectstore.UploadSink(store, key, pool)
-        return writer._stream_planned(sink, where.name, record, to_write, checksum, profile)
+    if not profile.asynchronous:
+        with profile.phase("upload"), _pool() as pool:
+            sink = objectstore.UploadSink(store, key, pool)
+            return writer._stream_planned(sink, where.name, record, to_write, checksum, profile)
+    staging = _staging_dir("accelkit-s3-save-")
+    try:
+        local = staging / where.name
+        storage.temp_dir(local).mkdir(parents=True)
+        with profile.phase("write"):
+            record = writer._write_planned(local, record, to_write, checksum, profile)
+        to_write.clear()  # a snapshot's copies are released as soon as they are written
+        with profile.phase("upload"), _pool() as pool:
+            store.upload(key, storage.temp_dir(local) / record["file"]["name"], pool)
+        return record
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def commit_checkpoint(
@@ -705,10 +723,7 @@ def _upload_and_commit(
     error = None
     try:
         with steps.working("written"):  # a long upload is not a dead rank
-            with profile.phase("upload"):
-                record = _upload_rank_file(
-                    where, record, to_write, checksum, profile, storage_options
-                )
+            record = _upload_rank_file(where, record, to_write, checksum, profile, storage_options)
             to_write.clear()  # a snapshot's copies are released once they are sent
     except Exception as err:
         error = err
