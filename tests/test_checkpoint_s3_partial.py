@@ -171,6 +171,39 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
 
 
 # ---- the worker (each rank of a 2-process FSDP job) ------------------------------------------------
+def test_a_copy_without_room_fails_clearly_and_loads_nothing(s3, tmp_path, monkeypatch):
+    """The local copy cannot grow (here a file-size limit, RLIMIT_FSIZE, which refuses the
+    copy's writes as a full ``/dev/shm`` does): the load fails naming the object and the
+    variable that moves the copy, the model keeps its values, no copy is left, and the same
+    load works once there is room."""
+    import resource
+    import signal
+
+    from accelkit.checkpoint import remote_load
+
+    staging = tmp_path / "staging"
+    monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))
+    accel, model = accelkit.get("cpu"), _model()
+    accel.save(s3.url("run/step-1"), {"model": model})
+    target = _model()
+    before = [p.detach().clone() for p in target.parameters()]
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error (EFBIG), not a signal
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+        with pytest.raises(accelkit.CheckpointError) as caught:
+            accel.load(s3.url("run"), {"model": target})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(caught.value)
+    assert RANK_FILE in message and remote_load.STAGING_ENV in message, message
+    assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
+    assert not list(staging.iterdir())
+    accel.load(s3.url("run"), {"model": target})
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), target.parameters()))
+
+
 def load_worker(url: str, out: str, tag: str) -> dict[str, Any]:
     """fsdp x2 (gloo): train a different model one step, then load ``url`` into it; count the
     bytes of every ranged GET of a rank file; dump the full state (raw path) after the load."""

@@ -151,11 +151,18 @@ class _PartialCopy:
         self.fetched = 0  # bytes downloaded
         self._present: list[tuple[int, int]] = []  # sorted, disjoint, merged [start, end)
         self._lock = threading.Lock()
+        self._mapped: mmap.mmap | None = None
+        self._view = memoryview(b"")
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self.fd, size)
-        # bytes are received straight into the copy's pages: no buffer, no second copy
-        self._mapped = mmap.mmap(self.fd, size) if size else None
-        self._view = memoryview(self._mapped) if self._mapped is not None else memoryview(b"")
+        try:
+            os.ftruncate(self.fd, size)
+            # bytes are received straight into the copy's pages: no buffer, no second copy
+            if size:
+                self._mapped = mmap.mmap(self.fd, size)
+                self._view = memoryview(self._mapped)
+        except OSError as err:
+            self.close()
+            raise self._no_room(err) from err
 
     def close(self) -> None:
         self._view.release()
