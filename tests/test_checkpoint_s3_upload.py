@@ -157,3 +157,37 @@ def test_part_size_keeps_any_rank_file_within_the_parts_s3_allows():
         assert step >= objectstore.PART_BYTES and step % (1 << 20) == 0
         assert -(-size // step) <= objectstore.MAX_PARTS
     assert objectstore.part_bytes(1 << 30) == objectstore.PART_BYTES
+
+
+def test_a_save_removes_the_staging_a_killed_asynchronous_save_left(s3, tmp_path, monkeypatch):
+    """An asynchronous save stages its rank file locally before the upload; a trainer killed
+    then leaves that folder. The next save on the machine removes it (its lock died with its
+    process); a folder still locked (a save running elsewhere) or just made stays, and the
+    save's own folder is gone when it returns."""
+    import fcntl
+    import os
+
+    from accelkit.checkpoint import remote
+
+    root = tmp_path / "staging"
+    monkeypatch.setenv(remote.STAGING_ENV, str(root))
+    folders = {name: root / f"{remote.SAVE_PREFIX}{name}" for name in ("dead", "busy", "new")}
+    for name, folder in folders.items():
+        (folder / "step-1").mkdir(parents=True)
+        (folder / "step-1" / RANK_FILE).write_bytes(b"left over")
+        if name != "new":
+            os.utime(folder, (0, 0))
+    busy = os.open(folders["busy"], os.O_RDONLY)
+    try:
+        fcntl.flock(busy, fcntl.LOCK_SH)
+        accel, model = accelkit.get("cpu"), _model()
+        accel.save(s3.url("run/step-1"), {"model": model}, asynchronous=True)
+        accel.wait_for_save()
+        assert sorted(p.name for p in root.iterdir()) == sorted(
+            f.name for name, f in folders.items() if name != "dead"
+        )
+    finally:
+        os.close(busy)
+    fresh = _model(seed=1)
+    accel.load(s3.url("run"), {"model": fresh})
+    assert all(torch.equal(fresh[k], model[k]) for k in model)

@@ -30,6 +30,7 @@ is still checked, by some rank, before any live tensor is written. The tools (``
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -57,15 +58,52 @@ from accelkit.errors import CheckpointError
 log = logging.getLogger("accelkit")
 
 LOAD_PREFIX = "accelkit-s3-load-"
+SAVE_PREFIX = "accelkit-s3-save-"
+OUT_PREFIX = "accelkit-s3-out-"
 #: where rank files are staged before their upload and after their download (default: TMPDIR)
 STAGING_ENV = "ACCELKIT_S3_STAGING"
+#: a folder younger than this is never taken for abandoned (it may not be locked yet)
+_ABANDONED_AFTER_S = 60
 
 
-def _staging_dir(prefix: str) -> Path:
-    root = os.environ.get(STAGING_ENV) or None
-    if root:
-        Path(root).mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+@contextmanager
+def staging(prefix: str, root: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A new local folder for a transfer (in ``root``, else :data:`STAGING_ENV`, else the temp
+    dir), locked while it is in use and removed after. Folders of the same kind that killed
+    processes left there (their lock died with them) are removed first."""
+    base = Path(root or os.environ.get(STAGING_ENV) or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    for stale in base.glob(f"{prefix}*"):
+        _remove_if_abandoned(stale)
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    lock = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        except OSError:  # a filesystem without locks: nothing will take the folder for abandoned
+            pass
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
+
+
+def _remove_if_abandoned(folder: Path) -> None:
+    """Remove a transfer's folder whose process is gone: no lock on it, and not just made."""
+    try:
+        if time.time() - folder.stat().st_mtime < _ABANDONED_AFTER_S:
+            return
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # in use
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -220,9 +258,9 @@ def fetched(
     directory for the disk reader; errors name the S3 objects, not the temporary files."""
     target = resolve(where, storage_options)
     store = objectstore.store_for(target, storage_options)
-    local = _staging_dir(LOAD_PREFIX) / target.name
-    local.mkdir()
-    try:
+    with staging(LOAD_PREFIX) as folder:
+        local = folder / target.name
+        local.mkdir()
         raw = store.get(target.child(MANIFEST_NAME).key)
         (local / MANIFEST_NAME).write_bytes(raw)
         if manifest_only:
@@ -236,8 +274,6 @@ def fetched(
             yield local
         except CheckpointError as err:
             raise _renamed(err, local, target) from err
-    finally:
-        shutil.rmtree(local.parent, ignore_errors=True)
 
 
 def _listed_files(target: S3Location, store: objectstore.ObjectStore, raw: bytes) -> dict[str, int]:
@@ -293,9 +329,9 @@ def fetched_pretrained(
 
     store = objectstore.store_for(where, storage_options)
     single = bool(where.key) and store.head(where.key) is not None  # an object, not a prefix
-    local = _staging_dir(LOAD_PREFIX) / ("object" if single else (where.name or where.bucket))
-    local.mkdir()
-    try:
+    with staging(LOAD_PREFIX) as folder:
+        local = folder / ("object" if single else (where.name or where.bucket))
+        local.mkdir()
         if single:
             download(where.parent, local, [where.name], storage_options)
             yielded = local / where.name
@@ -332,8 +368,6 @@ def fetched_pretrained(
         except CheckpointError as err:
             pairs = [(yielded, where), (local, where.parent if single else where)]
             raise _cited(err, pairs) from err
-    finally:
-        shutil.rmtree(local.parent, ignore_errors=True)
 
 
 @contextmanager
@@ -364,9 +398,8 @@ def local_paths(
         local_dst: Any = dst
         destination = objectstore.location(dst) if dst is not None else None
         if destination is not None:
-            staging = _staging_dir("accelkit-s3-out-")
-            stack.callback(shutil.rmtree, staging, True)
-            local_dst = staging / (destination.name or "out")
+            folder = stack.enter_context(staging(OUT_PREFIX))
+            local_dst = folder / (destination.name or "out")
             pairs.append((local_dst, destination))
 
         def publish(written: Any) -> Any:
@@ -460,9 +493,8 @@ def _upload_rank_file(
         with profile.phase("upload"), _pool() as pool:
             sink = objectstore.UploadSink(store, key, pool)
             return writer._stream_planned(sink, where.name, record, to_write, checksum, profile)
-    staging = _staging_dir("accelkit-s3-save-")
-    try:
-        local = staging / where.name
+    with staging(SAVE_PREFIX) as folder:
+        local = folder / where.name
         storage.temp_dir(local).mkdir(parents=True)
         with profile.phase("write"):
             record = writer._write_planned(local, record, to_write, checksum, profile)
@@ -470,8 +502,6 @@ def _upload_rank_file(
         with profile.phase("upload"), _pool() as pool:
             store.upload(key, storage.temp_dir(local) / record["file"]["name"], pool)
         return record
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def commit_checkpoint(

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import bisect
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import shutil
 import struct
-import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,57 +34,26 @@ from accelkit.checkpoint.remote import (
     _pool,
     _renamed,
     resolve,
+    staging,
 )
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
 
-#: a load's partial copy, locked while the load runs (the tools' downloads hold no lock)
+#: a load's partial copy (locked while the load runs, as every transfer's folder is)
 PARTIAL_PREFIX = f"{LOAD_PREFIX}partial-"
 #: a load's copy goes here (memory) when it fits and STAGING_ENV is not set
 MEMORY_STAGING = "/dev/shm"
 
 
-def _load_staging(nbytes: int) -> tuple[Path, int]:
-    """A new folder for a load's local copy, and a descriptor holding a lock on it while the
-    load runs: in :data:`STAGING_ENV` if set; else in memory (:data:`MEMORY_STAGING`, a tmpfs:
-    the copy lives only while the load runs, and a disk would write it out for nothing) when
-    the ``nbytes`` each rank of this node may fetch fit there and in a quarter of the available
-    memory; else in the temp dir. Copies left there by killed processes (their lock is gone
-    with them) are removed first."""
-    root = os.environ.get(STAGING_ENV) or None
-    if root is None and _fits_in_memory(nbytes):
-        root = MEMORY_STAGING
-    if root:
-        Path(root).mkdir(parents=True, exist_ok=True)
-    base = Path(root or tempfile.gettempdir())
-    for stale in base.glob(f"{PARTIAL_PREFIX}*"):
-        _remove_if_abandoned(stale)
-    folder = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=base))
-    lock = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_SH)
-    except OSError:  # a filesystem without locks: nothing will take the folder for abandoned
-        pass
-    return folder, lock
-
-
-def _remove_if_abandoned(folder: Path) -> None:
-    """Remove a load's folder whose process is gone: no lock on it, and not just made."""
-    try:
-        if time.time() - folder.stat().st_mtime < 60:
-            return
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return  # in use
-    else:
-        shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        os.close(fd)
+def _load_root(nbytes: int) -> str | None:
+    """Where a load's local copy goes: :data:`STAGING_ENV` if set; else in memory
+    (:data:`MEMORY_STAGING`, a tmpfs: the copy lives only while the load runs, and a disk would
+    write it out for nothing) when the ``nbytes`` each rank of this node may fetch fit there and
+    in a quarter of the available memory; else (None) the temp dir."""
+    if os.environ.get(STAGING_ENV):
+        return os.environ[STAGING_ENV]
+    return MEMORY_STAGING if _fits_in_memory(nbytes) else None
 
 
 def _fits_in_memory(nbytes: int) -> bool:
@@ -384,13 +349,14 @@ def opened(
     from accelkit.checkpoint.validate import share_spans
 
     profile = profile or profiling.SaveProfile()
+    cleanup = ExitStack()
     with profile.phase("download"):
         target = resolve(where, storage_options)
         store = objectstore.store_for(target, storage_options)
         raw = store.get(target.child(MANIFEST_NAME).key)
         files = _listed_files(target, store, raw)
-        staging, lock = _load_staging(sum(files.values()))
-        local = staging / target.name
+        folder = cleanup.enter_context(staging(PARTIAL_PREFIX, _load_root(sum(files.values()))))
+        local = folder / target.name
     copies: dict[str, _PartialCopy] = {}
     pool = _pool()
     reader = prechecks = None
@@ -460,5 +426,4 @@ def opened(
             )
         for copy in copies.values():
             copy.close()
-        shutil.rmtree(staging, ignore_errors=True)
-        os.close(lock)
+        cleanup.close()
