@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import test_checkpoint_reference as ref
 import torch
+from staging_leftovers import leftovers
 
 import accelkit
 from accelkit.testing import run_ranks
@@ -142,8 +143,6 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
     """A load killed mid-way leaves its copy (in memory, by default); the next load on the
     machine removes it: its lock died with its process. A copy still locked (a load running
     elsewhere) or just made stays."""
-    import fcntl
-
     from accelkit.checkpoint import remote_load
 
     staging = tmp_path / "staging"
@@ -151,23 +150,9 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
     accel, model = accelkit.get("cpu"), _model()
     accel.save(s3.url("run/step-1"), {"model": model})
     staging.mkdir(exist_ok=True)
-    folders = {
-        name: staging / f"{remote_load.PARTIAL_PREFIX}{name}" for name in ("dead", "busy", "new")
-    }
-    for name, folder in folders.items():
-        (folder / "step-1").mkdir(parents=True)
-        (folder / "step-1" / RANK_FILE).write_bytes(b"left over")
-        if name != "new":
-            os.utime(folder, (0, 0))
-    busy = os.open(folders["busy"], os.O_RDONLY)
-    try:
-        fcntl.flock(busy, fcntl.LOCK_SH)
+    with leftovers(staging, remote_load.PARTIAL_PREFIX, RANK_FILE) as survivors:
         accel.load(s3.url("run"), {"model": _model()})
-        assert sorted(p.name for p in staging.iterdir()) == sorted(
-            f.name for name, f in folders.items() if name != "dead"
-        )
-    finally:
-        os.close(busy)
+        assert sorted(p.name for p in staging.iterdir()) == survivors
 
 
 # ---- the worker (each rank of a 2-process FSDP job) ------------------------------------------------

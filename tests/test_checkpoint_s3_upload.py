@@ -164,30 +164,18 @@ def test_a_save_removes_the_staging_a_killed_asynchronous_save_left(s3, tmp_path
     then leaves that folder. The next save on the machine removes it (its lock died with its
     process); a folder still locked (a save running elsewhere) or just made stays, and the
     save's own folder is gone when it returns."""
-    import fcntl
-    import os
+    from staging_leftovers import leftovers
 
     from accelkit.checkpoint import remote
 
     root = tmp_path / "staging"
     monkeypatch.setenv(remote.STAGING_ENV, str(root))
-    folders = {name: root / f"{remote.SAVE_PREFIX}{name}" for name in ("dead", "busy", "new")}
-    for name, folder in folders.items():
-        (folder / "step-1").mkdir(parents=True)
-        (folder / "step-1" / RANK_FILE).write_bytes(b"left over")
-        if name != "new":
-            os.utime(folder, (0, 0))
-    busy = os.open(folders["busy"], os.O_RDONLY)
-    try:
-        fcntl.flock(busy, fcntl.LOCK_SH)
+    root.mkdir()
+    with leftovers(root, remote.SAVE_PREFIX, RANK_FILE) as survivors:
         accel, model = accelkit.get("cpu"), _model()
         accel.save(s3.url("run/step-1"), {"model": model}, asynchronous=True)
         accel.wait_for_save()
-        assert sorted(p.name for p in root.iterdir()) == sorted(
-            f.name for name, f in folders.items() if name != "dead"
-        )
-    finally:
-        os.close(busy)
+        assert sorted(p.name for p in root.iterdir()) == survivors
     fresh = _model(seed=1)
     accel.load(s3.url("run"), {"model": fresh})
     assert all(torch.equal(fresh[k], model[k]) for k in model)
