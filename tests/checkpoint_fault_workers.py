@@ -55,7 +55,13 @@ def trainer_restarted(root: Path) -> None:
 
 def interrupted(root: Path) -> None:
     """Save once (the writer process starts), print its pid, wait for Ctrl-C."""
+    import signal
+
     from accelkit.checkpoint import write_process
+
+    # Ctrl-C as a trainer in a terminal gets it: a suite started in the background by a script
+    # (`cmd &` with no job control) hands its children SIGINT ignored, which Python keeps
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     accel = accelkit.get("cpu", seed=0)
     accel.save(root / "step-1", {"model": _model(1.0), "step": 1}, asynchronous=True)
