@@ -11,7 +11,6 @@ if this one was killed.
 from __future__ import annotations
 
 import bisect
-import errno
 import logging
 import mmap
 import os
@@ -73,21 +72,8 @@ def _fits_in_memory(nbytes: int) -> bool:
 # ---- loading: a partial local copy, fetched as the load reads ------------------------------------
 #: bytes of each rank file's start fetched first, for its safetensors header (more if it is longer)
 HEADER_BYTES = 64 << 10
-#: threads hashing this rank's verify share while the rest of it downloads, and the bytes each
-#: keeps mapped at a time
+#: threads hashing this rank's verify share while the rest of it downloads
 HASH_WORKERS = 2
-HASH_CHUNK_BYTES = 8 << 20
-
-#: madvise(MADV_POPULATE_WRITE) (Linux 5.14): a part's pages allocated in one call
-_POPULATE_WRITE = getattr(
-    mmap, "MADV_POPULATE_WRITE", 23 if os.uname().sysname == "Linux" else None
-)
-
-
-def _page_span(start: int, end: int) -> tuple[int, int]:
-    """``[start, end)`` widened to whole pages: (first page's offset, length)."""
-    lo = start - start % mmap.PAGESIZE
-    return lo, end - lo
 
 
 def _wait(futures: list[Any]) -> None:
@@ -117,20 +103,20 @@ class _PartialCopy:
         self._present: list[tuple[int, int]] = []  # sorted, disjoint, merged [start, end)
         self._lock = threading.Lock()
         self._mapped: mmap.mmap | None = None
-        self._view = memoryview(b"")
+        self.view = memoryview(b"")
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(self.fd, size)
             # bytes are received straight into the copy's pages: no buffer, no second copy
             if size:
                 self._mapped = mmap.mmap(self.fd, size)
-                self._view = memoryview(self._mapped)
+                self.view = memoryview(self._mapped)
         except OSError as err:
             self.close()
             raise self._no_room(err) from err
 
     def close(self) -> None:
-        self._view.release()
+        self.view.release()
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
@@ -170,11 +156,9 @@ class _PartialCopy:
         """Fetch ``[start, end)`` by one ranged GET into the copy, then record it."""
         try:  # the range's room, taken now: a full tmpfs is an error here, not a SIGBUS later
             os.posix_fallocate(self.fd, start, end - start)
-            if _POPULATE_WRITE is not None:  # and its pages mapped in one call, not one by one
-                self._populate(start, end)
         except OSError as err:
             raise self._no_room(err) from err
-        self.store.read_into(self.where.key, self._view[start:end], start)
+        self.store.read_into(self.where.key, self.view[start:end], start)
         with self._lock:
             present = self._present
             i = bisect.bisect_left(present, start, key=lambda r: r[1])
@@ -184,15 +168,6 @@ class _PartialCopy:
                 j += 1
             present[i:j] = [(lo, hi)]
             self.fetched += end - start
-
-    def _populate(self, start: int, end: int) -> None:
-        global _POPULATE_WRITE
-        try:
-            self._mapped.madvise(_POPULATE_WRITE, *_page_span(start, end))
-        except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise
-            _POPULATE_WRITE = None  # an older kernel: pages fault in as they are written
 
     def _no_room(self, err: BaseException) -> CheckpointError:
         return CheckpointError(
@@ -267,36 +242,18 @@ class _Prechecks:
                     self._futures.append(self.pool.submit(self._check, group))
 
     def _check(self, group: list[Any]) -> None:
-        """Hash each fragment of ``group`` where it lies in the copy: mapped, not copied, and
-        unmapped chunk by chunk as it goes (the process holds no more than a chunk of it)."""
+        """Hash each fragment of ``group`` where it lies in the copy's mapping (no copy)."""
         from accelkit.checkpoint.digest import hasher
 
-        lo, hi = group[0][1], group[-1][1] + group[-1][2]
-        start = lo - lo % mmap.ALLOCATIONGRANULARITY
+        view = self.copies[group[0][0]].view
         failed = None
-        with mmap.mmap(
-            self.copies[group[0][0]].fd, hi - start, offset=start, access=mmap.ACCESS_READ
-        ) as mapped:
-            view = memoryview(mapped)
-            try:
-                released = 0
-                for _, offset, nbytes, entry, i in group:
-                    frag = entry.fragments[i]
-                    digest = hasher(frag.algorithm)
-                    position, end = offset - start, offset - start + nbytes
-                    while position < end:
-                        stop = min(end, position + HASH_CHUNK_BYTES)
-                        digest.update(view[position:stop])
-                        position = stop
-                        done = position - position % mmap.PAGESIZE
-                        if done - released >= HASH_CHUNK_BYTES:
-                            mapped.madvise(mmap.MADV_DONTNEED, released, done - released)
-                            released = done
-                    got = digest.hexdigest()
-                    if got != frag.digest and failed is None:
-                        failed = self.reader._checksum_error(entry, frag, got)
-            finally:
-                view.release()
+        for _, offset, nbytes, entry, i in group:
+            frag = entry.fragments[i]
+            digest = hasher(frag.algorithm)
+            digest.update(view[offset : offset + nbytes])
+            got = digest.hexdigest()
+            if got != frag.digest and failed is None:
+                failed = self.reader._checksum_error(entry, frag, got)
         with self._lock:
             if failed is not None:
                 self._failed.append(((group[0][0], group[0][1]), failed))

@@ -162,8 +162,8 @@ def write_file(
     fetched one at a time, with at most a few in flight. Each written range is handed to the
     kernel's writeback at once, so the disk works while the rest is produced and the final
     ``fsync`` waits for the tail only. ``path`` may be a :class:`Sink` instead of a file name
-    (an object upload: ``fsync`` is then the sink's business). ``progress`` (a tqdm bar) is advanced by the bytes
-    written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
+    (an object upload: ``fsync`` is then the sink's business). ``progress`` (a tqdm bar) is
+    advanced by the bytes written; ``profile`` (a :class:`~accelkit.checkpoint.profile.SaveProfile`) gets the time
     spent per kind of work.
     """
     prefix, offsets = layout(tensors, metadata, flat=flat)
