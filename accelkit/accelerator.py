@@ -1,7 +1,11 @@
 """The one facade users touch. It owns the training semantics of docs/architecture.md,
 "Semantics that hold on every backend" (the micro-batch counter, loss scaling for accumulation,
 when a window closes, scheduler stepping) and delegates everything backend-specific to a
-:class:`~accelkit.backend.Backend`."""
+:class:`~accelkit.backend.Backend`.
+
+Over 800 lines: it is the one class users touch, each public call a short method that
+delegates; the features with bodies of their own (checkpoints, tracking, preemption) already
+live in their modules and are reached from here by a few lines each."""
 
 from __future__ import annotations
 
@@ -308,6 +312,54 @@ class Accelerator:
             closes = not windows or any(self._closes_next(w) for w in windows)
             self.backend.before_backward(model, closes_window=closes)
         self.backend.backward(loss, model, **kwargs)
+
+    def forward_backward(
+        self,
+        model: torch.nn.Module,
+        *inputs: Any,
+        target: Any = None,
+        loss_fn: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Forward, loss and backward of one batch, the same call with and without pipeline
+        parallelism; returns the loss (detached, 0-d), then ``accel.step()`` as usual.
+
+        ``loss_fn(output, target)`` computes the loss; without it the model's output is the
+        loss. Without a pipeline this is ``loss_fn(model(*inputs, **kwargs), target)`` and
+        :meth:`backward` (the forward under the precision policy). With ``pp > 1`` the backend
+        runs its schedule over ``pipeline["microbatches"]`` micro-batches of the batch, each
+        micro-batch loss divided once by micro-batches x ``accumulation_steps``, and returns
+        the mean micro-batch loss on every rank (docs/pipeline.md)."""
+        if loss_fn is None and target is not None:
+            raise ConfigError(
+                "forward_backward(..., target=...) needs loss_fn=: it is called as "
+                "loss_fn(output, target). Without loss_fn the model's output is the loss."
+            )
+        if self.backend.settings.pipeline is None:
+            output = model(*inputs, **kwargs)
+            loss = output if loss_fn is None else loss_fn(output, target)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(
+                    "forward_backward: the loss must be a one-element tensor, got "
+                    + (
+                        f"shape {tuple(loss.shape)}"
+                        if isinstance(loss, torch.Tensor)
+                        else type(loss).__name__
+                    )
+                    + "; pass loss_fn= that reduces the output to a scalar"
+                )
+            self.backward(loss, model=model)
+            return loss.detach().reshape(())
+        if not self._models or not self._is_set_up(model):
+            raise UnsupportedError(
+                "forward_backward() on a model that was not set up: call "
+                "`model, optimizer = accel.setup(model, optimizer)` first and pass that model"
+            )
+        windows = self._windows_of((model,))
+        closes = not windows or any(self._closes_next(w) for w in windows)
+        return self.backend.pipeline_forward_backward(
+            model, inputs, kwargs, target=target, loss_fn=loss_fn, closes_window=closes
+        )
 
     def _is_set_up(self, model: torch.nn.Module) -> bool:
         """``model`` is one :meth:`setup` returned, or the user's own module inside one."""

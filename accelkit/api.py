@@ -10,6 +10,7 @@ from accelkit.accelerator import Accelerator
 from accelkit.backend import Settings, check_precision_supported
 from accelkit.errors import ConfigError
 from accelkit.log import configure
+from accelkit.pipeline import PipelineSettings, resolve_pipeline
 from accelkit.seed import seed_everything
 
 
@@ -40,7 +41,10 @@ def get(
         track_grad_norm: compute ``accel.grad_norm`` even without clipping.
         max_grad_value: clamp every gradient element to ``[-v, v]`` inside ``step()`` (before
             ``max_grad_norm``); refused where the backend's library owns the gradients.
-        **options: backend options, overriding ``config``.
+        **options: backend options, overriding ``config``. Two are read here for every backend:
+            ``pp`` (pipeline stages, a mesh dimension beside ``dp_replicate``/``dp_shard``/``tp``)
+            and ``pipeline`` (``dict(schedule=, microbatches=, stages_per_rank=, split=)``);
+            a backend without pipeline parallelism refuses ``pp > 1``, naming those with it.
     """
     host = registry.host()
     spec = host.resolve(name)
@@ -60,7 +64,12 @@ def get(
         )
     canonical = spec.alias_of or spec.name
     overrides = {**spec.defaults, **options}
+    pipeline = resolve_pipeline(overrides.pop("pp", None), overrides.pop("pipeline", None))
     backend_options = backend_cls.parse_config(name, config, overrides)
+    if pipeline is not None:
+        _check_pipeline_supported(
+            canonical, pipeline, backend_cls.capabilities_for(backend_options)
+        )
     settings = Settings(
         precision=backend_cls.parse_precision(name, precision),
         accumulation_steps=accumulation_steps,
@@ -68,6 +77,7 @@ def get(
         seed=seed,
         track_grad_norm=track_grad_norm,
         max_grad_value=max_grad_value,
+        pipeline=pipeline,
     )
     settings = backend_cls.resolve_settings(name, backend_options, settings)
     # here, after resolve_settings (a native config may name the precision): a precision the
@@ -89,6 +99,38 @@ def get(
     _refuse_one_process_backend_under_launcher(canonical, backend.capabilities)
     backend.launch()
     return Accelerator(backend)
+
+
+def pipeline_backends() -> list[str]:
+    """The registered backends (their libraries installed) that run pipelines."""
+    names = []
+    for spec in registry.host().registry.specs():
+        if spec.alias_of or spec.missing_libraries():
+            continue
+        try:
+            if spec.load_class().capabilities.pipeline_schedules:
+                names.append(spec.name)
+        except Exception:  # a broken plugin is reported by `accelkit env`, not here
+            continue
+    return names
+
+
+def _check_pipeline_supported(name: str, pipeline: PipelineSettings, capabilities: Any) -> None:
+    """Refuse ``pp > 1`` where the backend has no pipeline, or not this schedule."""
+    schedules = capabilities.pipeline_schedules
+    if not schedules:
+        others = pipeline_backends()
+        raise ConfigError(
+            f"backend {name!r} has no pipeline parallelism, so pp={pipeline.pp} cannot run on "
+            "it. Backends with pipeline parallelism: "
+            + (", ".join(others) if others else "none installed")
+            + ". Or leave pp out (pp=1)."
+        )
+    if pipeline.schedule not in schedules:
+        raise ConfigError(
+            f"backend {name!r} with these options does not run the {pipeline.schedule!r} "
+            f"pipeline schedule; it runs: {', '.join(schedules)}"
+        )
 
 
 def _refuse_one_process_backend_under_launcher(name: str, capabilities: Any) -> None:
@@ -113,6 +155,7 @@ def describe(name: str, config: Any = None, **options: Any) -> dict[str, Any]:
     runs with: both come from ``Backend.capabilities_for``."""
     spec = registry.host().resolve(name)
     cls = spec.load_class()
+    options = {k: v for k, v in options.items() if k not in ("pp", "pipeline")}
     parsed = cls.parse_config(name, config, {**spec.defaults, **options})
     return {
         "name": name,

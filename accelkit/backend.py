@@ -21,6 +21,7 @@ import torch.distributed as dist
 from accelkit import distributed
 from accelkit.config import build_options
 from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.pipeline import PipelineSettings
 from accelkit.precision import (
     NATIVE_DTYPES,
     PRECISIONS,
@@ -62,6 +63,9 @@ class Capabilities:
     compile: bool = True
     #: accelkit's portable checkpoint reads and writes this backend's state
     portable_checkpoint: bool = True
+    #: pipeline schedules it runs with ``pp > 1`` (names of :data:`accelkit.pipeline.SCHEDULES`);
+    #: empty: no pipeline parallelism, and ``accelkit.get`` refuses ``pp > 1``
+    pipeline_schedules: tuple[str, ...] = ()
 
 
 def check_precision_supported(name: str, precision: str, capabilities: Capabilities) -> None:
@@ -88,6 +92,8 @@ class Settings:
     track_grad_norm: bool = False
     #: clamp every gradient element to [-v, v] inside ``step()`` (before ``max_grad_norm``)
     max_grad_value: float | None = None
+    #: ``pp > 1``: the pipeline to run (None: no pipeline parallelism); see docs/pipeline.md
+    pipeline: PipelineSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
@@ -322,6 +328,33 @@ class Backend:
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def pipeline_forward_backward(
+        self,
+        model: torch.nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        target: Any,
+        loss_fn: Any,
+        closes_window: bool,
+    ) -> torch.Tensor:
+        """Hook: one ``accel.forward_backward`` call under pipeline parallelism
+        (``settings.pipeline`` is set; only backends listing ``capabilities.pipeline_schedules``
+        get here).
+
+        Gets the model :meth:`setup` returned, the batch's positional ``inputs`` and keyword
+        ``kwargs`` (the first stage's), ``target`` (the last stage's; may be None), ``loss_fn``
+        (``loss_fn(output, target)`` per micro-batch; None: the last stage's output is the loss)
+        and ``closes_window`` (the next ``step()`` applies the optimizer). Must split the batch
+        into ``settings.pipeline.microbatches``, run forward and backward over every stage with
+        each micro-batch loss divided exactly once by ``microbatches * accumulation_steps``,
+        scale it for fp16, and return the mean of the undivided micro-batch losses as a 0-d
+        tensor on every rank. The default refuses."""
+        raise UnsupportedError(
+            f"backend {self.name!r} has no pipeline parallelism (capabilities.pipeline_schedules "
+            "is empty)"
+        )
 
     def grad_norm(
         self,

@@ -12,6 +12,9 @@ The groups:
   torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend` with
   :class:`DDPWrapOptions` / :class:`CommHookOptions`, :class:`FSDPBackend`; docs/plugins.md,
   "Building on a native backend");
+- pipeline parallelism: :class:`PipelineSettings` (``backend.settings.pipeline``),
+  :data:`PIPELINE_SCHEDULES`, :func:`split_microbatches`; a backend lists its schedules in
+  ``Capabilities.pipeline_schedules`` and implements ``Backend.pipeline_forward_backward``;
 - launch: :class:`DistributedBackend` (device pick, process group, ``timeout``) with its
   :class:`DistributedOptions` / :class:`ProcessGroupOptions`, :func:`init_process_group`,
   :func:`local_rank`, :func:`is_initialized`, :data:`DEFAULT_TIMEOUT_S`;
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.4"
+SDK_VERSION = "1.5"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -64,6 +67,11 @@ _SOURCES: dict[str, str] = {
     "DistributedOptions": "accelkit.backends.distributed",
     "ProcessGroupOptions": "accelkit.backends.distributed",
     "hookimpl": "accelkit.hookspecs",
+    # pipeline parallelism (docs/pipeline.md, "Writing a backend's pipeline")
+    "PipelineSettings": "accelkit.pipeline",
+    "PIPELINE_SCHEDULES": "accelkit.pipeline",
+    "ZERO_BUBBLE_SCHEDULES": "accelkit.pipeline",
+    "split_microbatches": "accelkit.pipeline",
     # launch
     "DEFAULT_TIMEOUT_S": "accelkit.distributed",
     "init_process_group": "accelkit.distributed",
@@ -198,6 +206,10 @@ __all__ = [
     "FSDPBackend",
     "FSDPOptions",
     "DistributedBackend",
+    "PipelineSettings",
+    "PIPELINE_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
+    "split_microbatches",
     "DistributedOptions",
     "ProcessGroupOptions",
     "hookimpl",
@@ -425,6 +437,12 @@ if TYPE_CHECKING:
         compile_in_place,
         select_blocks,
         wrap_blocks,
+    )
+    from accelkit.pipeline import (
+        PIPELINE_SCHEDULES,
+        ZERO_BUBBLE_SCHEDULES,
+        PipelineSettings,
+        split_microbatches,
     )
     from accelkit.precision import (
         NATIVE_DTYPES,

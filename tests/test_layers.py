@@ -109,6 +109,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "accelkit.float8",
             "accelkit.distributed",
             "accelkit.modules",
+            "accelkit.pipeline",
             "accelkit.seed",
             "accelkit.log",
             "accelkit.version",
