@@ -609,8 +609,8 @@ class Accelerator:
 
         ``format="native"``: the backend library's own format instead, where it has one.
         Collective: every rank calls it (a rank that does not is named in the error, within
-        the commit timeout: :mod:`accelkit.checkpoint.commit`)."""
-        from accelkit.checkpoint import commit
+        the commit timeout: :mod:`accelkit.checkpoint.write.agreement`)."""
+        from accelkit.checkpoint.write import agreement as commit
 
         bound = min(commit.timeout_s(), distributed.group_timeout_s())
         distributed.rendezvous("save()", _EVERY_RANK, bound)
@@ -665,7 +665,7 @@ class Accelerator:
         log.info(
             "loaded pretrained weights from %s in %.2f s", source, time.perf_counter() - started
         )
-        from accelkit.checkpoint.fragments import PRETRAINED_FROM
+        from accelkit.checkpoint.shards.fragments import PRETRAINED_FROM
 
         # where the weights came from: a later save records it, for the export's config.json
         folder = Path(source) if Path(source).is_dir() else Path(source).parent
@@ -723,7 +723,7 @@ class Accelerator:
         installs the signal handlers (see :mod:`accelkit.preemption`). When it turns True, an
         asynchronous save in flight is committed first, so the stop's grace period is not
         spent on it."""
-        from accelkit.checkpoint import background
+        from accelkit.checkpoint.write import background
         from accelkit.preemption import watcher_of
 
         stop = watcher_of(self).check(self.device)
@@ -804,7 +804,7 @@ class Accelerator:
         set up again before training."""
         import gc
 
-        from accelkit.checkpoint import background
+        from accelkit.checkpoint.write import background
 
         background.wait()
         self.backend.release()
@@ -825,14 +825,14 @@ class Accelerator:
         """Block until an ``accel.save(..., asynchronous=True)`` in flight is committed; raise
         :class:`~accelkit.errors.CheckpointError` if it failed. The next save, ``load``,
         ``end_training`` and interpreter exit wait anyway."""
-        from accelkit.checkpoint import background
+        from accelkit.checkpoint.write import background
 
         background.wait()
 
     def end_training(self) -> None:
         """Wait for an asynchronous save in flight (raising its error), close the trackers and
         give the stop signals back to their former handlers."""
-        from accelkit.checkpoint import background
+        from accelkit.checkpoint.write import background
 
         background.wait()
         trackers, self._trackers = self._trackers, None

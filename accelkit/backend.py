@@ -148,7 +148,7 @@ class CheckpointDefaults(Protocol):
     """What :class:`Backend`'s three checkpoint hooks run unless a backend overrides them.
 
     The portable format lives above this protocol (it imports :class:`Backend`, never the
-    reverse), so its dense default, :mod:`accelkit.checkpoint.dense`, is installed here by
+    reverse), so its dense default, :mod:`accelkit.checkpoint.shards.dense`, is installed here by
     the checkpoint package when it loads; every save and load goes through that package."""
 
     def local_fragments(self, backend: Backend, state: dict[str, Any]) -> Iterator[Any]: ...
@@ -484,7 +484,7 @@ class Backend:
         """Yield this rank's pieces of model, master and optimizer state (portable checkpoint).
 
         The default, for whole tensors (or DTensors) and torch optimizers, is
-        :func:`accelkit.checkpoint.dense.local_fragments`."""
+        :func:`accelkit.checkpoint.shards.dense.local_fragments`."""
         return checkpoint_defaults().local_fragments(self, state)
 
     def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
@@ -492,7 +492,7 @@ class Backend:
 
         Runs after :meth:`check_load` passed on every rank and every fragment's checksum was
         verified, so only an I/O error should fail here. The default is
-        :func:`accelkit.checkpoint.dense.load_fragments`."""
+        :func:`accelkit.checkpoint.shards.dense.load_fragments`."""
         checkpoint_defaults().load_fragments(self, reader, state)
 
     def check_load(self, reader: Any, state: dict[str, Any]) -> None:
@@ -501,10 +501,10 @@ class Backend:
 
         The load's validate phase: keys (the ``strict`` rule), full shapes, each optimizer's
         param groups, hyperparameter types and state keys. The default
-        (:func:`accelkit.checkpoint.dense.check_load`) checks the tensors
-        :func:`~accelkit.checkpoint.fqn.module_tensors` lists with their ``shape`` (a
+        (:func:`accelkit.checkpoint.shards.dense.check_load`) checks the tensors
+        :func:`~accelkit.checkpoint.format.fqn.module_tensors` lists with their ``shape`` (a
         DTensor's is global) and the torch optimizers. A backend whose live tensors hide their
-        full shape passes its own to :func:`~accelkit.checkpoint.validate.check_dense_load`."""
+        full shape passes its own to :func:`~accelkit.checkpoint.shards.validate.check_dense_load`."""
         checkpoint_defaults().check_load(self, reader, state)
 
     def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:

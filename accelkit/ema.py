@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from accelkit.checkpoint.fqn import module_tensors, user_module
+from accelkit.checkpoint.format.fqn import module_tensors, user_module
 from accelkit.errors import ConfigError, UnsupportedError
 
 log = logging.getLogger("accelkit")

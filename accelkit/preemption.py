@@ -276,7 +276,7 @@ class StopSignal:
 def _end_after_grace(grace: float) -> None:
     """SIGTERM's grace period is over and the process still runs: end it now, before the
     launcher's SIGKILL, saying which checkpoint (if any) was not written."""
-    from accelkit.checkpoint import background
+    from accelkit.checkpoint.write import background
 
     saving = background.pending()
     lost = f"; the checkpoint {saving} was not written" if saving is not None else ""
@@ -329,12 +329,13 @@ def latest_checkpoint(directory: str | Path) -> Any:
     been wrong at a save. Links that lead outside ``directory`` are not considered.
     Half-written saves never carry a checkpoint's name, so they are not seen.
     """
-    from accelkit.checkpoint import objectstore, storage
+    from accelkit.checkpoint.store import posix as storage
+    from accelkit.checkpoint.store import s3_client as objectstore
     from accelkit.errors import CheckpointError
 
     where = objectstore.location(directory)
     if where is not None:  # s3://: a prefix without a manifest is never a candidate
-        from accelkit.checkpoint import remote
+        from accelkit.checkpoint.store import s3 as remote
 
         return remote.latest_checkpoint(where)
     directory = Path(directory)

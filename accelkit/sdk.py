@@ -26,7 +26,7 @@ The groups:
   :func:`select_blocks`, and the ``wrap_policy`` option of FSDP-like backends
   (:func:`check_wrap_policy`, :func:`wrap_blocks`);
 - the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
-  layouts and the loaders of :mod:`accelkit.checkpoint.sharded`, the codec, names, and the
+  layouts and the loaders of :mod:`accelkit.checkpoint.shards.sharded`, the codec, names, and the
   foreign-format import helpers of ``accelkit convert``;
 - restricted unpickling (docs/plugins.md, "Reading pickled checkpoints"): the one way a plugin
   reads a pickle, :func:`restricted_torch_load` with its library's :class:`PickleAllowlist`;
@@ -102,75 +102,75 @@ _SOURCES: dict[str, str] = {
     "select_blocks": "accelkit.modules",
     "wrap_blocks": "accelkit.modules",
     # the checkpoint kit
-    "BUFFER": "accelkit.checkpoint.sharded",
-    "Fragment": "accelkit.checkpoint.sharded",
-    "Layout": "accelkit.checkpoint.sharded",
-    "MASTER": "accelkit.checkpoint.sharded",
-    "OPTIM_PREFIX": "accelkit.checkpoint.sharded",
-    "ObjectInfo": "accelkit.checkpoint.sharded",
-    "PARAM": "accelkit.checkpoint.sharded",
-    "ReplicaPlanner": "accelkit.checkpoint.sharded",
-    "Slot": "accelkit.checkpoint.sharded",
-    "check_shape": "accelkit.checkpoint.sharded",
-    "check_dense_load": "accelkit.checkpoint.validate",
-    "check_module_targets": "accelkit.checkpoint.validate",
-    "check_optimizer": "accelkit.checkpoint.validate",
-    "classify_state": "accelkit.checkpoint.sharded",
-    "fill_tensor": "accelkit.checkpoint.sharded",
-    "group_scalar": "accelkit.checkpoint.sharded",
-    "held_objects": "accelkit.checkpoint.sharded",
-    "load_param_states": "accelkit.checkpoint.sharded",
-    "load_slot_states": "accelkit.checkpoint.sharded",
-    "match_module_entries": "accelkit.checkpoint.sharded",
-    "module_info": "accelkit.checkpoint.sharded",
-    "new_state": "accelkit.checkpoint.sharded",
-    "optimizer_info": "accelkit.checkpoint.sharded",
-    "optimizer_load": "accelkit.checkpoint.sharded",
-    "optimizer_slot_fragments": "accelkit.checkpoint.sharded",
-    "param_group_names": "accelkit.checkpoint.sharded",
-    "param_owners": "accelkit.checkpoint.sharded",
-    "param_state_fragments": "accelkit.checkpoint.sharded",
-    "put_scalar": "accelkit.checkpoint.sharded",
-    "ranged_fragments": "accelkit.checkpoint.sharded",
-    "read_slot": "accelkit.checkpoint.sharded",
-    "scalar_tensor": "accelkit.checkpoint.sharded",
-    "sharded_fragments": "accelkit.checkpoint.sharded",
-    "slot_state_fragments": "accelkit.checkpoint.sharded",
-    "state_like": "accelkit.checkpoint.sharded",
-    "tensor_fragments": "accelkit.checkpoint.sharded",
-    "weights_entry": "accelkit.checkpoint.sharded",
-    "ModuleEntry": "accelkit.checkpoint.sharded",
-    "OptimizerLoad": "accelkit.checkpoint.sharded",
-    "Unsharded": "accelkit.checkpoint.sharded",
-    "load_param_groups": "accelkit.checkpoint.sharded",
-    "module_fragments": "accelkit.checkpoint.sharded",
-    "qualname": "accelkit.checkpoint.sharded",
-    "slot_fragments": "accelkit.checkpoint.sharded",
-    "dense_fragments": "accelkit.checkpoint.fragments",
-    "load_dense_fragments": "accelkit.checkpoint.fragments",
-    "param_group_hyperparams": "accelkit.checkpoint.fragments",
-    "decode": "accelkit.checkpoint.codec",
-    "drop_callables": "accelkit.checkpoint.codec",
-    "encode": "accelkit.checkpoint.codec",
-    "canonical_fqn": "accelkit.checkpoint.fqn",
-    "module_tensors": "accelkit.checkpoint.fqn",
-    "user_module": "accelkit.checkpoint.fqn",
-    "agree": "accelkit.checkpoint.writer",
-    "DTYPES_BY_NAME": "accelkit.checkpoint.safetensors_io",
-    "LazyTensor": "accelkit.checkpoint.safetensors_io",
+    "BUFFER": "accelkit.checkpoint.shards.sharded",
+    "Fragment": "accelkit.checkpoint.shards.sharded",
+    "Layout": "accelkit.checkpoint.shards.sharded",
+    "MASTER": "accelkit.checkpoint.shards.sharded",
+    "OPTIM_PREFIX": "accelkit.checkpoint.shards.sharded",
+    "ObjectInfo": "accelkit.checkpoint.shards.sharded",
+    "PARAM": "accelkit.checkpoint.shards.sharded",
+    "ReplicaPlanner": "accelkit.checkpoint.shards.sharded",
+    "Slot": "accelkit.checkpoint.shards.sharded",
+    "check_shape": "accelkit.checkpoint.shards.sharded",
+    "check_dense_load": "accelkit.checkpoint.shards.validate",
+    "check_module_targets": "accelkit.checkpoint.shards.validate",
+    "check_optimizer": "accelkit.checkpoint.shards.validate",
+    "classify_state": "accelkit.checkpoint.shards.sharded",
+    "fill_tensor": "accelkit.checkpoint.shards.sharded",
+    "group_scalar": "accelkit.checkpoint.shards.sharded",
+    "held_objects": "accelkit.checkpoint.shards.sharded",
+    "load_param_states": "accelkit.checkpoint.shards.sharded",
+    "load_slot_states": "accelkit.checkpoint.shards.sharded",
+    "match_module_entries": "accelkit.checkpoint.shards.sharded",
+    "module_info": "accelkit.checkpoint.shards.sharded",
+    "new_state": "accelkit.checkpoint.shards.sharded",
+    "optimizer_info": "accelkit.checkpoint.shards.sharded",
+    "optimizer_load": "accelkit.checkpoint.shards.sharded",
+    "optimizer_slot_fragments": "accelkit.checkpoint.shards.sharded",
+    "param_group_names": "accelkit.checkpoint.shards.sharded",
+    "param_owners": "accelkit.checkpoint.shards.sharded",
+    "param_state_fragments": "accelkit.checkpoint.shards.sharded",
+    "put_scalar": "accelkit.checkpoint.shards.sharded",
+    "ranged_fragments": "accelkit.checkpoint.shards.sharded",
+    "read_slot": "accelkit.checkpoint.shards.sharded",
+    "scalar_tensor": "accelkit.checkpoint.shards.sharded",
+    "sharded_fragments": "accelkit.checkpoint.shards.sharded",
+    "slot_state_fragments": "accelkit.checkpoint.shards.sharded",
+    "state_like": "accelkit.checkpoint.shards.sharded",
+    "tensor_fragments": "accelkit.checkpoint.shards.sharded",
+    "weights_entry": "accelkit.checkpoint.shards.sharded",
+    "ModuleEntry": "accelkit.checkpoint.shards.sharded",
+    "OptimizerLoad": "accelkit.checkpoint.shards.sharded",
+    "Unsharded": "accelkit.checkpoint.shards.sharded",
+    "load_param_groups": "accelkit.checkpoint.shards.sharded",
+    "module_fragments": "accelkit.checkpoint.shards.sharded",
+    "qualname": "accelkit.checkpoint.shards.sharded",
+    "slot_fragments": "accelkit.checkpoint.shards.sharded",
+    "dense_fragments": "accelkit.checkpoint.shards.fragments",
+    "load_dense_fragments": "accelkit.checkpoint.shards.fragments",
+    "param_group_hyperparams": "accelkit.checkpoint.shards.fragments",
+    "decode": "accelkit.checkpoint.format.codec",
+    "drop_callables": "accelkit.checkpoint.format.codec",
+    "encode": "accelkit.checkpoint.format.codec",
+    "canonical_fqn": "accelkit.checkpoint.format.fqn",
+    "module_tensors": "accelkit.checkpoint.format.fqn",
+    "user_module": "accelkit.checkpoint.format.fqn",
+    "agree": "accelkit.checkpoint.write.writer",
+    "DTYPES_BY_NAME": "accelkit.checkpoint.format.safetensors_io",
+    "LazyTensor": "accelkit.checkpoint.format.safetensors_io",
     # foreign checkpoint formats (accelkit convert)
-    "Imported": "accelkit.checkpoint.importing",
-    "optimizer_import": "accelkit.checkpoint.importing",
-    "positional_names": "accelkit.checkpoint.importing",
-    "write_portable": "accelkit.checkpoint.importing",
+    "Imported": "accelkit.checkpoint.formats.importing",
+    "optimizer_import": "accelkit.checkpoint.formats.importing",
+    "positional_names": "accelkit.checkpoint.formats.importing",
+    "write_portable": "accelkit.checkpoint.formats.importing",
     # restricted unpickling (trust_pickle)
-    "PickleAllowlist": "accelkit.checkpoint.unpickle",
-    "PickleRefused": "accelkit.checkpoint.unpickle",
-    "StandIn": "accelkit.checkpoint.unpickle",
-    "conversion_allowlist": "accelkit.checkpoint.unpickle",
-    "pickle_globals": "accelkit.checkpoint.unpickle",
-    "restricted_torch_load": "accelkit.checkpoint.unpickle",
-    "tensor_allowlist": "accelkit.checkpoint.unpickle",
+    "PickleAllowlist": "accelkit.checkpoint.formats.unpickle",
+    "PickleRefused": "accelkit.checkpoint.formats.unpickle",
+    "StandIn": "accelkit.checkpoint.formats.unpickle",
+    "conversion_allowlist": "accelkit.checkpoint.formats.unpickle",
+    "pickle_globals": "accelkit.checkpoint.formats.unpickle",
+    "restricted_torch_load": "accelkit.checkpoint.formats.unpickle",
+    "tensor_allowlist": "accelkit.checkpoint.formats.unpickle",
     # memory estimates (accelkit plan)
     "LOW_PRECISIONS": "accelkit.benchmark.memory",
     "OPTIMIZERS": "accelkit.benchmark.memory",
@@ -341,21 +341,30 @@ if TYPE_CHECKING:
         optimizer_terms,
         trace_kind,
     )
-    from accelkit.checkpoint.codec import decode, drop_callables, encode
-    from accelkit.checkpoint.fqn import canonical_fqn, module_tensors, user_module
-    from accelkit.checkpoint.fragments import (
-        dense_fragments,
-        load_dense_fragments,
-        param_group_hyperparams,
-    )
-    from accelkit.checkpoint.importing import (
+    from accelkit.checkpoint.format.codec import decode, drop_callables, encode
+    from accelkit.checkpoint.format.fqn import canonical_fqn, module_tensors, user_module
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME, LazyTensor
+    from accelkit.checkpoint.formats.importing import (
         Imported,
         optimizer_import,
         positional_names,
         write_portable,
     )
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME, LazyTensor
-    from accelkit.checkpoint.sharded import (
+    from accelkit.checkpoint.formats.unpickle import (
+        PickleAllowlist,
+        PickleRefused,
+        StandIn,
+        conversion_allowlist,
+        pickle_globals,
+        restricted_torch_load,
+        tensor_allowlist,
+    )
+    from accelkit.checkpoint.shards.fragments import (
+        dense_fragments,
+        load_dense_fragments,
+        param_group_hyperparams,
+    )
+    from accelkit.checkpoint.shards.sharded import (
         BUFFER,
         MASTER,
         OPTIM_PREFIX,
@@ -398,21 +407,12 @@ if TYPE_CHECKING:
         tensor_fragments,
         weights_entry,
     )
-    from accelkit.checkpoint.unpickle import (
-        PickleAllowlist,
-        PickleRefused,
-        StandIn,
-        conversion_allowlist,
-        pickle_globals,
-        restricted_torch_load,
-        tensor_allowlist,
-    )
-    from accelkit.checkpoint.validate import (
+    from accelkit.checkpoint.shards.validate import (
         check_dense_load,
         check_module_targets,
         check_optimizer,
     )
-    from accelkit.checkpoint.writer import agree
+    from accelkit.checkpoint.write.writer import agree
     from accelkit.config import build_options, closest, load_config_source, options_as_dict
     from accelkit.distributed import (
         DEFAULT_TIMEOUT_S,

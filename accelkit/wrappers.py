@@ -80,7 +80,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     torch optimizer, detached from the Accelerator, exactly what copying that optimizer gives.
     """
 
-    #: the checkpoint saves the optimizer inside (accelkit.checkpoint.fragments.inner_optimizer)
+    #: the checkpoint saves the optimizer inside (accelkit.checkpoint.shards.fragments.inner_optimizer)
     wraps_optimizer = True
 
     def __init__(

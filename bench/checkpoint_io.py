@@ -480,7 +480,7 @@ def measure_async(model, opt, step, nbytes: int, args) -> dict[str, Any]:
     pinned), then three saves in the steady state with training steps between them; the step
     time with no write in flight and while one is; then the last checkpoint, written while
     training changed the state, must load back to the state of the moment it was taken."""
-    from accelkit.checkpoint import background
+    from accelkit.checkpoint.write import background
 
     result: dict[str, Any] = {"method": "accelkit-async", "bytes": nbytes}
     idle = [_timed_step(step, args.device) for _ in range(5)]

@@ -130,7 +130,8 @@ class _Loads:
         return thread.is_alive, thread.join
 
     def _accelkit_async(self, writer: str = "process"):
-        from accelkit.checkpoint import background, save
+        from accelkit.checkpoint import save
+        from accelkit.checkpoint.write import background
 
         os.environ["ACCELKIT_ASYNC_WRITER"] = writer  # read when the write starts
         path = self.dir / "async"
@@ -154,7 +155,7 @@ class _Loads:
         return self._accelkit_async("threads")
 
     def _thread_pwrite(self):
-        from accelkit.checkpoint.staging import start_writeback
+        from accelkit.checkpoint.format.pinned import start_writeback
 
         view = memoryview(self.staging.numpy()).cast("B")
 
@@ -274,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     runner = _Loads(model, opt, staging, directory, nbytes)
 
-    from accelkit.checkpoint import background, save
+    from accelkit.checkpoint import save
+    from accelkit.checkpoint.write import background
 
     save(
         None,

@@ -29,7 +29,7 @@ def _model(value: float) -> torch.nn.Module:
 def trainer_killed_mid_save(root: Path) -> None:
     """Save step-2, print the writer process's pid, wait for the test's go (it stops that
     writer), then start saving step-4 into it and wait to be killed."""
-    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.write import write_process
 
     accel = accelkit.get("cpu", seed=0)
     model = _model(2.0)
@@ -57,7 +57,7 @@ def interrupted(root: Path) -> None:
     """Save once (the writer process starts), print its pid, wait for Ctrl-C."""
     import signal
 
-    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.write import write_process
 
     # Ctrl-C as a trainer in a terminal gets it: a suite started in the background by a script
     # (`cmd &` with no job control) hands its children SIGINT ignored, which Python keeps
@@ -74,7 +74,7 @@ def interrupted(root: Path) -> None:
 def ends_with_a_save_in_flight(root: Path, fails: bool) -> None:
     """The script's last call is an asynchronous save; ``fails``: its write fails (a full
     disk). The interpreter exits while it runs."""
-    from accelkit.checkpoint import writer
+    from accelkit.checkpoint.write import writer
 
     accel = accelkit.get("cpu", seed=0)
     if fails:

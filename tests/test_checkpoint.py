@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import accelkit
 from accelkit.checkpoint import CheckpointReader, load, save
-from accelkit.checkpoint.manifest import canonical_bytes
+from accelkit.checkpoint.format.manifest import canonical_bytes
 from accelkit.errors import CheckpointError
 
 
@@ -236,7 +236,7 @@ def _load_all(path: Path) -> None:
 
 def _locate(path: Path, fqn: str) -> tuple[dict, int]:
     """The manifest entry of model tensor ``fqn`` and the file offset of its first byte."""
-    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.checkpoint.format.safetensors_io import read_header
 
     entry = next(
         t for t in _manifest(path)["tensors"] if t["fqn"] == fqn and t["object"] == "model"
@@ -522,7 +522,7 @@ def test_overwrite_replaces_a_checkpoint_but_not_other_data(tmp_path):
 
 # ---- atomicity: SIGKILL at random points --------------------------------------------------------------------------
 def _saver(parent: str, step: int, ready, asynchronous: bool = False) -> None:
-    from accelkit.checkpoint import background
+    from accelkit.checkpoint.write import background
 
     torch.set_num_threads(1)
     model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(8)))
@@ -698,7 +698,7 @@ def test_cuda_state_round_trips_through_the_cpu(tmp_path):
 def test_chunked_staged_reads(tmp_path, monkeypatch):
     """Parts of fragments and casts stream through two small alternating buffers; every
     range comes out right, and a flipped byte is still caught."""
-    import accelkit.checkpoint.reader as reader_module
+    import accelkit.checkpoint.read.reader as reader_module
 
     values = torch.randn(1000, dtype=torch.float64)
     save(None, tmp_path / "c", {"v": values})
@@ -709,7 +709,7 @@ def test_chunked_staged_reads(tmp_path, monkeypatch):
             part = reader.read_flat(entry, start, numel, dtype=torch.float32)
             reader.finish()
         assert torch.equal(part, values[start : start + numel].float())
-    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.checkpoint.format.safetensors_io import read_header
 
     target = tmp_path / "c" / "rank-00000.safetensors"
     header, data_start = read_header(target)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accelkit
-from accelkit.checkpoint import background, writer
+from accelkit.checkpoint.write import background, writer
 from accelkit.testing import run_ranks
 
 HERE = Path(__file__).parent
@@ -163,7 +163,7 @@ def test_a_writer_process_that_dies_fails_the_save_clearly_and_the_next_save_wor
     """The writer process exits in the middle of a save (a fake worker that reads the request
     and dies): the next call raises a CheckpointError naming it, nothing is committed, the
     earlier checkpoint stays ``latest``; the save after that starts a new writer and commits."""
-    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.write import write_process
 
     accel = accelkit.get("cpu", seed=0)
     state, _ = _state_and_values(accel)
@@ -203,8 +203,8 @@ def test_an_unknown_writer_choice_is_refused_before_anything_is_written(tmp_path
 def test_a_writer_process_that_cannot_start_leaves_the_writing_to_threads(
     tmp_path, monkeypatch, caplog
 ):
-    from accelkit.checkpoint import write_process
     from accelkit.checkpoint.profile import last_save
+    from accelkit.checkpoint.write import write_process
 
     accel = accelkit.get("cpu", seed=0)
     state, expected = _state_and_values(accel)

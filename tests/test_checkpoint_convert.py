@@ -65,7 +65,7 @@ def _assert_optimizer_equal(a, b) -> None:
 
 def _flip(path: Path, fqn: str) -> None:
     """Flip one bit of model tensor ``fqn``'s stored bytes."""
-    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.checkpoint.format.safetensors_io import read_header
 
     manifest = json.loads((path / "accelkit.json").read_text())
     entry = next(t for t in manifest["tensors"] if t["fqn"] == fqn and t["object"] == "model")
@@ -367,7 +367,7 @@ def test_unknown_input_lists_the_importers(tmp_path, capfd):
 
 def test_a_plugin_importer_is_found_through_the_hook(tmp_path):
     import accelkit
-    from accelkit.checkpoint.convert import Imported, importers, write_portable
+    from accelkit.checkpoint.formats.convert import Imported, importers, write_portable
 
     class MyFormat:
         def detect(self, path):
@@ -427,7 +427,7 @@ def test_inspect_runs_as_a_command(source):
 
 
 def test_convert_errors_are_checkpoint_errors(tmp_path):
-    from accelkit.checkpoint.convert import convert
+    from accelkit.checkpoint.formats.convert import convert
 
     with pytest.raises(CheckpointError, match="no such file"):
         convert(tmp_path / "missing", tmp_path / "out")

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import accelkit
-from accelkit.checkpoint import CheckpointReader, write_process
+from accelkit.checkpoint import CheckpointReader
+from accelkit.checkpoint.write import write_process
 from accelkit.testing import spawn_ranks
 
 HERE = Path(__file__).parent

@@ -233,7 +233,7 @@ def test_uneven_twin_flipped_byte_in_rank_1s_part(written, tmp_path):
     import shutil
 
     from accelkit.checkpoint import CheckpointReader
-    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.checkpoint.format.safetensors_io import read_header
     from accelkit.errors import CheckpointError
 
     bad = tmp_path / "bad"

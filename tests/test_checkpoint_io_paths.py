@@ -13,8 +13,10 @@ import time
 import pytest
 import torch
 
-from accelkit.checkpoint import CheckpointReader, background, load, save, staging
-from accelkit.checkpoint.validate import verify_share
+from accelkit.checkpoint import CheckpointReader, load, save
+from accelkit.checkpoint.format import pinned as staging
+from accelkit.checkpoint.read.verify import verify_share
+from accelkit.checkpoint.write import background
 from accelkit.errors import CheckpointError
 
 

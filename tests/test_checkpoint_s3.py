@@ -248,7 +248,7 @@ def test_a_missing_bucket_fails_clearly(s3):
 def test_without_boto3_the_error_says_what_to_install(s3, monkeypatch):
     import sys
 
-    from accelkit.checkpoint import objectstore
+    from accelkit.checkpoint.store import s3_client as objectstore
 
     monkeypatch.setitem(sys.modules, "boto3", None)
     monkeypatch.setattr(objectstore, "_stores", {})
@@ -469,7 +469,7 @@ def _serving(s3, key: str, timeout: float = 60.0) -> None:
 
 def _kill_server_at_upload(monkeypatch, server) -> list:
     """SIGKILL the server as the first rank file upload begins (a crash mid-save)."""
-    from accelkit.checkpoint import remote
+    from accelkit.checkpoint.write import s3 as remote
 
     real, killed = remote._upload_rank_file, []
 
@@ -524,7 +524,7 @@ def trainer_killed_mid_upload(url: str, parts_before_kill: int) -> None:
     ``parts_before_kill`` of them (the save never returns)."""
     import signal
 
-    from accelkit.checkpoint import objectstore
+    from accelkit.checkpoint.store import s3_client as objectstore
 
     real, sent = objectstore.ObjectStore._call, []
 

@@ -72,7 +72,7 @@ def _flip_where_only_rank_1_checks(s3, url: str) -> int:
 def _counting(patch: Any) -> list[int]:
     """Count the bytes of every ranged GET of a rank file (this process); ``patch`` sets the
     counting method in place (``monkeypatch.setattr`` in a test, ``setattr`` in a rank)."""
-    from accelkit.checkpoint import objectstore
+    from accelkit.checkpoint.store import s3_client as objectstore
 
     fetched: list[int] = []
     real = objectstore.ObjectStore.read_into
@@ -93,8 +93,9 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     read equals what safetensors itself reads from the object."""
     from safetensors.torch import load as load_safetensors
 
-    from accelkit.checkpoint import objectstore, remote_load
-    from accelkit.checkpoint.validate import verify_share
+    from accelkit.checkpoint.read import s3_copy as remote_load
+    from accelkit.checkpoint.read.verify import verify_share
+    from accelkit.checkpoint.store import s3_client as objectstore
 
     url = s3.url("run/step-1")
     _save_reference(url, tmp_path)
@@ -121,8 +122,9 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
 
 
 def test_a_flipped_byte_fails_the_share_that_holds_it_naming_the_object(s3, tmp_path):
-    from accelkit.checkpoint import objectstore, remote_load
-    from accelkit.checkpoint.validate import verify_share
+    from accelkit.checkpoint.read import s3_copy as remote_load
+    from accelkit.checkpoint.read.verify import verify_share
+    from accelkit.checkpoint.store import s3_client as objectstore
 
     url = s3.url("run/step-1")
     _save_reference(url, tmp_path)
@@ -143,7 +145,7 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
     """A load killed mid-way leaves its copy (in memory, by default); the next load on the
     machine removes it: its lock died with its process. A copy still locked (a load running
     elsewhere) or just made stays."""
-    from accelkit.checkpoint import remote_load
+    from accelkit.checkpoint.read import s3_copy as remote_load
 
     staging = tmp_path / "staging"
     monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))
@@ -164,7 +166,7 @@ def test_a_copy_without_room_fails_clearly_and_loads_nothing(s3, tmp_path, monke
     import resource
     import signal
 
-    from accelkit.checkpoint import remote_load
+    from accelkit.checkpoint.read import s3_copy as remote_load
 
     staging = tmp_path / "staging"
     monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))

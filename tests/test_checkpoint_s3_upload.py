@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import accelkit
-from accelkit.checkpoint import objectstore
+from accelkit.checkpoint.store import s3_client as objectstore
 
 RANK_FILE = "rank-00000.safetensors"
 #: float32 sizes whose tensor boundaries fall inside the 8 MiB parts, at odd offsets (~25 MB)
@@ -166,7 +166,7 @@ def test_a_save_removes_the_staging_a_killed_asynchronous_save_left(s3, tmp_path
     save's own folder is gone when it returns."""
     from staging_leftovers import leftovers
 
-    from accelkit.checkpoint import remote
+    from accelkit.checkpoint.store import scratch as remote
 
     root = tmp_path / "staging"
     monkeypatch.setenv(remote.STAGING_ENV, str(root))

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accelkit.checkpoint import load, save, storage
-from accelkit.checkpoint import writer as writer_module
+from accelkit.checkpoint import load, save
+from accelkit.checkpoint.store import posix as storage
+from accelkit.checkpoint.write import writer as writer_module
 from accelkit.errors import CheckpointError
 from accelkit.preemption import latest_checkpoint
 

@@ -107,7 +107,7 @@ def test_without_the_optimizer_state_the_next_step_differs(cpu_run, tmp_path):
 def test_the_export_holds_one_source_tensor_at_a_time(cpu_run, tmp_path, monkeypatch):
     """Peak memory is one tensor: each is read from the checkpoint when DCP writes it, and
     released before the next one is read."""
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.read.reader import CheckpointReader
 
     read = CheckpointReader.read
     alive: list[weakref.ref] = []
@@ -141,7 +141,7 @@ def test_the_export_imports_back_into_a_portable_checkpoint(cpu_run, tmp_path):
 # ---- negative twins -------------------------------------------------------------------------------
 def _flip(path: Path, fqn: str) -> None:
     """Flip one bit of model tensor ``fqn``'s stored bytes."""
-    from accelkit.checkpoint.safetensors_io import read_header
+    from accelkit.checkpoint.format.safetensors_io import read_header
 
     manifest = json.loads((path / "accelkit.json").read_text())
     entry = next(t for t in manifest["tensors"] if t["fqn"] == fqn and t["object"] == "model")

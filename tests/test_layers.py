@@ -7,8 +7,12 @@ that is a submodule, else at ``pkg`` itself. Importing a submodule runs its pack
 ``__init__`` as well, but that arrow is Python's, not the module's, and is left out.
 
 The checks: no circle of imports; no arrow from a lower layer to a higher one; the backend
-protocol stands on nothing of the checkpoint package; no core module imports an integration.
-The checker is tried on a package with a circle first, so a pass means something.
+protocol stands on nothing of the checkpoint package; no core module imports an integration;
+inside the checkpoint package, its folders keep their own order (``CHECKPOINT_LAYERS``: the
+format at the bottom, the stores on it, the reading, the backend kit, the writing, the
+converters, the package's face on top), and the format, the backend kit and the stores never
+reach a save or load orchestration (``CHECKPOINT_NEVER``). Each checker is tried on a package
+that breaks it first, so a pass means something.
 """
 
 from __future__ import annotations
@@ -166,6 +170,67 @@ def layer_of(module: str) -> int:
     return best[1]
 
 
+# ---- inside the checkpoint package (docs/architecture.md, "The checkpoint package") ----------------
+#: its folders, bottom first; a module imports only from its own folder and those below
+CHECKPOINT_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "format",
+        (
+            "accelkit.checkpoint.format",
+            "accelkit.checkpoint.profile",
+            "accelkit.checkpoint.progress",
+        ),
+    ),
+    ("store", ("accelkit.checkpoint.store",)),
+    ("read", ("accelkit.checkpoint.read",)),
+    ("shards", ("accelkit.checkpoint.shards",)),
+    ("write", ("accelkit.checkpoint.write",)),
+    ("formats", ("accelkit.checkpoint.formats",)),
+    ("face", ("accelkit.checkpoint",)),
+]
+#: arrows the order above would allow but the design does not: (from, to, why)
+CHECKPOINT_NEVER: list[tuple[str, str, str]] = [
+    ("accelkit.checkpoint.shards", "accelkit.checkpoint.store", "the backend kit knows no store"),
+    ("accelkit.checkpoint.read", "accelkit.checkpoint.write", "a reader never saves"),
+]
+
+
+def _prefix_layer(module: str, layers: list[tuple[str, tuple[str, ...]]]) -> int:
+    best = (-1, -1)
+    for index, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[0]:
+                best = (len(prefix), index)
+    return best[1]
+
+
+def checkpoint_violations(graph: Graph, package: str = "accelkit") -> list[str]:
+    """Arrows inside ``package``'s checkpoint package that go up its folders or break a never."""
+
+    def named(prefix: str) -> str:
+        return package + prefix[len("accelkit") :]
+
+    layers = [(name, tuple(named(p) for p in prefixes)) for name, prefixes in CHECKPOINT_LAYERS]
+    inside = named("accelkit.checkpoint")
+    found = []
+    for module, targets in sorted(graph.items()):
+        if not (module == inside or module.startswith(inside + ".")):
+            continue
+        for target, line in sorted(targets.items()):
+            if not (target == inside or target.startswith(inside + ".")):
+                continue
+            low, high = _prefix_layer(module, layers), _prefix_layer(target, layers)
+            if high > low:
+                found.append(
+                    f"  {module} ({layers[low][0]}) -> {target} ({layers[high][0]}), line {line}"
+                )
+            for source, banned, why in CHECKPOINT_NEVER:
+                source, banned = named(source), named(banned)
+                if module.startswith(source + ".") and target.startswith(banned + "."):
+                    found.append(f"  {module} -> {target}, line {line}: {why}")
+    return found
+
+
 @pytest.fixture(scope="module")
 def graph() -> Graph:
     return import_graph(ROOT)
@@ -208,6 +273,33 @@ def test_no_import_goes_up_a_layer(graph):
         if layer_of(target) > layer_of(module)
     ]
     assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(upward)
+
+
+def test_the_checker_finds_an_arrow_up_the_checkpoint_folders(tmp_path):
+    """The negative twin: a copy of the package's shape in which the format imports the writer
+    (inside a function) and the backend kit imports a store; both are named, and the clean
+    arrows are not."""
+    root = tmp_path / "fake" / "checkpoint"
+    for folder in ("format", "store", "shards", "write"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root.parent / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("from fake.checkpoint.write import writer\n")
+    (root / "format" / "manifest.py").write_text("def f():\n    from ..write import writer\n")
+    (root / "store" / "posix.py").write_text("from fake.checkpoint.format import manifest\n")
+    (root / "shards" / "fragments.py").write_text("from fake.checkpoint.store import posix\n")
+    (root / "write" / "writer.py").write_text("from fake.checkpoint.shards import fragments\n")
+    found = checkpoint_violations(import_graph(tmp_path / "fake"), package="fake")
+    assert found == [
+        "  fake.checkpoint.format.manifest (format) -> fake.checkpoint.write.writer (write), line 2",
+        "  fake.checkpoint.shards.fragments -> fake.checkpoint.store.posix, line 1: "
+        "the backend kit knows no store",
+    ]
+
+
+def test_the_checkpoint_folders_keep_their_order(graph):
+    found = checkpoint_violations(graph)
+    assert not found, "imports against the checkpoint package's folders:\n" + "\n".join(found)
 
 
 def test_the_protocol_stands_on_nothing_of_the_checkpoint_package(graph):
@@ -253,7 +345,7 @@ def test_the_dense_checkpoint_default_is_there_once_a_backend_is_built():
         "import sys, torch, accelkit\n"
         "accel = accelkit.get('cpu')\n"
         "pieces = list(accel.backend.local_fragments({'model': torch.nn.Linear(2, 2)}))\n"
-        "print(len(pieces), 'accelkit.checkpoint.dense' in sys.modules)\n"
+        "print(len(pieces), 'accelkit.checkpoint.shards.dense' in sys.modules)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -267,7 +267,7 @@ def _assert_same_hub(ours: dict, theirs: dict, our_root: Path, their_root: Path)
 
 
 def _portable_hub(path: Path) -> dict:
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.read.reader import CheckpointReader
     from accelkit.integrations.mmengine.checkpoint import mmengine_state
 
     with CheckpointReader(path) as reader:
@@ -401,7 +401,7 @@ def test_save_checkpoint_before_training(runs: Path) -> None:
     scheduler exists yet), and training then runs as MMEngine's."""
     import torch
 
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.read.reader import CheckpointReader
     from accelkit.integrations.mmengine.checkpoint import mmengine_state
 
     root = runs
@@ -504,7 +504,7 @@ def test_convert_to_mmengine_refuses_other_checkpoints(tmp_path: Path) -> None:
     import torch
 
     import accelkit
-    from accelkit.checkpoint.convert import convert
+    from accelkit.checkpoint.formats.convert import convert
     from accelkit.errors import CheckpointError
 
     accel = accelkit.get("cpu")

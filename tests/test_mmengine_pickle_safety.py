@@ -30,7 +30,7 @@ import numpy as np
 from mmengine.logging import HistoryBuffer
 from mmengine.model import BaseModel
 
-from accelkit.checkpoint.convert import (
+from accelkit.checkpoint.formats.convert import (
     PickleRefused,
     conversion_allowlist,
     tensor_allowlist,

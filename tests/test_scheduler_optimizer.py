@@ -405,7 +405,7 @@ def test_applied_steps_continue_from_the_checkpoint(tmp_path):
     import hashlib
     import json
 
-    from accelkit.checkpoint.manifest import canonical_bytes
+    from accelkit.checkpoint.format.manifest import canonical_bytes
 
     accel, model, optimizer = tiny_setup()
     for i in range(3):

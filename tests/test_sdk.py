@@ -56,13 +56,13 @@ def test_the_check_sees_a_core_import(tmp_path):
         "import accelkit.precision\n"
         "from accelkit import distributed\n"
         "def f():\n"
-        "    from accelkit.checkpoint.sharded import Slot\n"
+        "    from accelkit.checkpoint.shards.sharded import Slot\n"
     )
     assert core_imports(sample) == [
         "4: accelkit.backend",
         "5: accelkit.precision",
         "6: accelkit.distributed",
-        "8: accelkit.checkpoint.sharded",
+        "8: accelkit.checkpoint.shards.sharded",
     ]
 
 

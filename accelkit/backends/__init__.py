@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accelkit.checkpoint.convert import accelkit_checkpoint_importers  # noqa: F401 (native importers)
+from accelkit.checkpoint.formats.convert import accelkit_checkpoint_importers  # noqa: F401 (native importers)
 from accelkit.hookspecs import hookimpl
 
 

@@ -21,21 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from accelkit.backend import set_checkpoint_defaults
-from accelkit.checkpoint import dense, objectstore, progress, storage, writer
 from accelkit.checkpoint import profile as profiling
-from accelkit.checkpoint import rng as rng_io
-from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint import progress
+from accelkit.checkpoint.format import rng as rng_io
+from accelkit.checkpoint.format.fqn import canonical_fqn
+from accelkit.checkpoint.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
+from accelkit.checkpoint.read.reader import CheckpointReader
+from accelkit.checkpoint.read.verify import verify_share
+from accelkit.checkpoint.shards import dense
+from accelkit.checkpoint.shards.fragments import (
     Fragment,
     ObjectInfo,
     classify_state,
     dense_fragments,
     load_dense_fragments,
 )
-from accelkit.checkpoint.manifest import FORMAT_VERSION, Manifest, TensorEntry
-from accelkit.checkpoint.reader import CheckpointReader
-from accelkit.checkpoint.validate import Sections, read_sections, verify_share
-from accelkit.checkpoint.writer import agree, backend_of, was_agreed
+from accelkit.checkpoint.shards.validate import Sections, read_sections
+from accelkit.checkpoint.store import posix as storage
+from accelkit.checkpoint.store import s3_client as objectstore
+from accelkit.checkpoint.write import writer
+from accelkit.checkpoint.write.writer import agree, backend_of, was_agreed
 from accelkit.errors import CheckpointError, PartialLoadError
 
 log = logging.getLogger("accelkit")
@@ -74,16 +79,16 @@ def save(
     **kwargs: Any,
 ) -> Path | str:
     """Write a portable checkpoint of ``state`` to ``path``: a directory
-    (:func:`accelkit.checkpoint.writer.save`, whose keywords apply to both) or an object-storage
-    location ``s3://bucket/prefix`` (:mod:`accelkit.checkpoint.remote`; ``storage_options``
+    (:func:`accelkit.checkpoint.write.writer.save`, whose keywords apply to both) or an object-storage
+    location ``s3://bucket/prefix`` (:mod:`accelkit.checkpoint.store.s3`; ``storage_options``
     overrides the AWS_* configuration). A path with another scheme is refused."""
     where = objectstore.location(path)
     if where is None:
         _no_options(storage_options, path)
         return writer.save(accel, path, state, **kwargs)
-    from accelkit.checkpoint import remote
+    from accelkit.checkpoint.write import s3
 
-    return remote.save(accel, where, state, storage_options=storage_options, **kwargs)
+    return s3.save(accel, where, state, storage_options=storage_options, **kwargs)
 
 
 def read_manifest(
@@ -93,9 +98,9 @@ def read_manifest(
     where = objectstore.location(path)
     if where is None:
         return Manifest.read(storage.resolve(path), verify_checksum=False)
-    from accelkit.checkpoint import remote
+    from accelkit.checkpoint.store import s3
 
-    with remote.fetched(where, storage_options, manifest_only=True) as local:
+    with s3.fetched(where, storage_options, manifest_only=True) as local:
         return Manifest.read(local, verify_checksum=False)
 
 
@@ -135,7 +140,7 @@ def load(
     :class:`~accelkit.errors.CheckpointError` and changes nothing. Only an I/O error during the
     writes can leave objects partly loaded: that raises :class:`~accelkit.errors.PartialLoadError`.
     """
-    from accelkit.checkpoint import background
+    from accelkit.checkpoint.write import background
 
     background.wait()  # an asynchronous save in flight commits first (it may be this one)
     backend = backend_of(accel)
@@ -171,18 +176,19 @@ def load_pretrained(
     storage_options: dict[str, Any] | None = None,
 ) -> None:
     """Fill ``model`` (set up on any backend) from pretrained weights; see
-    :mod:`accelkit.checkpoint.pretrained`. An accelkit checkpoint loads its ``"model"``. An
+    :mod:`accelkit.checkpoint.read.pretrained`. An accelkit checkpoint loads its ``"model"``. An
     ``s3://`` source is downloaded to a temporary directory first (its safetensors files, with
     their index)."""
-    from accelkit.checkpoint import background
-    from accelkit.checkpoint.pretrained import open_pretrained
+    from accelkit.checkpoint.read.pretrained import open_pretrained
+    from accelkit.checkpoint.write import background
 
     background.wait()
     where = objectstore.location(source)
     if where is not None:
-        from accelkit.checkpoint import remote
+        from accelkit.checkpoint.read.pretrained import fetched_pretrained
+        from accelkit.checkpoint.store import s3
 
-        if remote.holds_checkpoint(where, storage_options):
+        if s3.holds_checkpoint(where, storage_options):
             if rename is not None or strip_prefix or add_prefix:
                 raise CheckpointError(
                     f"{where} is an accelkit checkpoint: its names are the model's own; rename, "
@@ -197,7 +203,7 @@ def load_pretrained(
                 storage_options=storage_options,
             )
             return
-        with remote.fetched_pretrained(where, storage_options) as local:
+        with fetched_pretrained(where, storage_options) as local:
             load_pretrained(
                 accel,
                 model,
@@ -247,7 +253,7 @@ def _load(
     where = objectstore.location(path)
     profile = profiling.SaveProfile()
     if where is not None:  # object storage: the disk reader, over a copy fetched as it reads
-        from accelkit.checkpoint import remote_load
+        from accelkit.checkpoint.read import s3_copy as remote_load
 
         with remote_load.opened(
             where,

@@ -47,7 +47,7 @@ class SaveProfile:
     tensors: int = 0
     asynchronous: bool = False
     #: who wrote the rank file: "threads" (of this process) or "process" (the writer process
-    #: of an asynchronous save, :mod:`accelkit.checkpoint.write_process`)
+    #: of an asynchronous save, :mod:`accelkit.checkpoint.write.write_process`)
     writer: str = "threads"
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -52,7 +52,7 @@ def close(bar: Any) -> None:
 def read_estimate(backend: Any, reader: Any, tensor_state: dict[str, Any]) -> int:
     """The bytes this rank is likely to read into ``tensor_state``: all of its objects' tensors,
     or a 1/world share of them on a backend that shards."""
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     total = 0
     for name in tensor_state:

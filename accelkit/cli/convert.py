@@ -111,8 +111,8 @@ def _hf_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelkit.checkpoint.convert import convert
-    from accelkit.checkpoint.remote import local_paths
+    from accelkit.checkpoint.formats.convert import convert
+    from accelkit.checkpoint.formats.transfer import local_paths
     from accelkit.errors import CheckpointError
     from accelkit.log import configure
 

@@ -30,7 +30,7 @@ def _size(nbytes: float) -> str:
 def summary_lines(reader: Any) -> list[str]:
     import torch
 
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     data = reader.manifest.data
     writer = data.get("writer", {})
@@ -79,14 +79,16 @@ def summary_lines(reader: Any) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from accelkit.checkpoint import objectstore, remote
+    from accelkit.checkpoint.formats.transfer import local_paths
+    from accelkit.checkpoint.store import s3 as remote
+    from accelkit.checkpoint.store import s3_client as objectstore
     from accelkit.errors import CheckpointError
 
     try:
         # an s3:// checkpoint is downloaded first; messages name its objects
         where = objectstore.location(args.checkpoint)
         cited = str(args.checkpoint if where is None else remote.resolve(where))
-        with remote.local_paths(args.checkpoint) as (local, _, _):
+        with local_paths(args.checkpoint) as (local, _, _):
             return _inspect(args, local, cited)
     except CheckpointError as err:
         print(f"accelkit inspect: {err}", file=sys.stderr)

@@ -5,5 +5,5 @@ plain state-dict files (:mod:`.state_dict`) and Lightning/Fabric (:mod:`.lightni
 The other formats live with the code that knows them and register through hooks: DeepSpeed's and
 ColossalAI's importers in their plugins (``accelkit_checkpoint_importers``), MMEngine's export in
 :mod:`accelkit.integrations.mmengine` (``accelkit_checkpoint_exporters``).
-:mod:`accelkit.checkpoint.convert` picks the converter for a path.
+:mod:`accelkit.checkpoint.formats.convert` picks the converter for a path.
 """

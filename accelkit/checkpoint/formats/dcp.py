@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint, both ways: export (``accelkit convert --to dcp``) and import.
 
 DCP's ``.metadata`` is a pickle, so an import reads it with the restricted unpickler
-(:mod:`accelkit.checkpoint.unpickle`) and only with ``trust_pickle``.
+(:mod:`accelkit.checkpoint.formats.unpickle`) and only with ``trust_pickle``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from typing import IO, Any
 
 import torch
 
-from accelkit.checkpoint import storage
-from accelkit.checkpoint.formats.portable import entry_dtype, module_object
-from accelkit.checkpoint.importing import (
+from accelkit.checkpoint.format.safetensors_io import LazyTensor
+from accelkit.checkpoint.formats.importing import (
     Imported,
     is_optimizer_state,
     model_tensors,
@@ -24,10 +23,8 @@ from accelkit.checkpoint.importing import (
     try_encode,
     write_portable,
 )
-from accelkit.checkpoint.progress import progress_bar
-from accelkit.checkpoint.reader import CheckpointReader
-from accelkit.checkpoint.safetensors_io import LazyTensor
-from accelkit.checkpoint.unpickle import (
+from accelkit.checkpoint.formats.portable import entry_dtype, module_object
+from accelkit.checkpoint.formats.unpickle import (
     CONVERT_REFUSED_HINT,
     PICKLE_HINT,
     PickleRefused,
@@ -36,6 +33,9 @@ from accelkit.checkpoint.unpickle import (
     restricted_torch_load,
     safe_global_name,
 )
+from accelkit.checkpoint.progress import progress_bar
+from accelkit.checkpoint.read.reader import CheckpointReader
+from accelkit.checkpoint.store import posix as storage
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -132,7 +132,7 @@ def _fqn_optimizer_state(
 ) -> dict[str, Any]:
     """Optimizer ``name`` as ``get_optimizer_state_dict`` gives it for a plain model: per-
     parameter state and each group's ``params`` by parameter name, settings as stored."""
-    from accelkit.checkpoint.codec import decode
+    from accelkit.checkpoint.format.codec import decode
 
     info = reader.object_info(name, "optimizer")
     tensors = reader.optimizer_entries(name)

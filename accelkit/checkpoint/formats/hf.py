@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
+from accelkit.checkpoint.format.safetensors_io import LazyTensor, write_file
 from accelkit.checkpoint.formats.portable import entry_dtype, module_object, reader_fetch
 from accelkit.checkpoint.progress import progress_bar
-from accelkit.checkpoint.reader import CheckpointReader
-from accelkit.checkpoint.safetensors_io import LazyTensor, write_file
+from accelkit.checkpoint.read.reader import CheckpointReader
 from accelkit.errors import CheckpointError
 
 

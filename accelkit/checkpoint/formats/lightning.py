@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from accelkit.checkpoint.importing import Imported, from_mapping
+from accelkit.checkpoint.formats.importing import Imported, from_mapping
 
 
 def is_lightning(checkpoint: dict[str, Any]) -> bool:

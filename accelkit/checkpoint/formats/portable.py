@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint import storage
+from accelkit.checkpoint.format.safetensors_io import LazyTensor, write_file
 from accelkit.checkpoint.progress import progress_bar
-from accelkit.checkpoint.reader import CheckpointReader
-from accelkit.checkpoint.safetensors_io import LazyTensor, write_file
+from accelkit.checkpoint.read.reader import CheckpointReader
+from accelkit.checkpoint.store import posix as storage
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -104,7 +104,7 @@ def module_object(reader: CheckpointReader, obj: str | None) -> str:
 
 
 def entry_dtype(entry: Any) -> torch.dtype:
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     return DTYPES_BY_NAME[entry.dtype]
 

@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.formats.lightning import from_lightning, is_lightning
-from accelkit.checkpoint.importing import (
+from accelkit.checkpoint.format.safetensors_io import LazyTensor
+from accelkit.checkpoint.formats.importing import (
     Imported,
     from_mapping,
     is_module_state,
     model_tensors,
     write_portable,
 )
-from accelkit.checkpoint.safetensors_io import LazyTensor
-from accelkit.checkpoint.unpickle import torch_load
+from accelkit.checkpoint.formats.lightning import from_lightning, is_lightning
+from accelkit.checkpoint.formats.unpickle import torch_load
 from accelkit.errors import CheckpointError
 
 
@@ -56,7 +56,7 @@ class SafetensorsImporter:
 
 
 def _st_dtype(code: str) -> torch.dtype:
-    from accelkit.checkpoint.safetensors_io import ST_TO_DTYPE
+    from accelkit.checkpoint.format.safetensors_io import ST_TO_DTYPE
 
     return ST_TO_DTYPE[code]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelkit.checkpoint.unpickle import (
+from accelkit.checkpoint.formats.unpickle import (
     PickleAllowlist,
     PickleRefused,
     conversion_allowlist,
@@ -236,8 +236,8 @@ def save_before_setup(
     in MMEngine. Every rank holds the whole model, so rank 0 writes a world-size-1 portable
     checkpoint, which any backend loads; the others wait for it.
     """
-    from accelkit.checkpoint.fqn import canonical_fqn
-    from accelkit.checkpoint.importing import Imported, write_portable
+    from accelkit.checkpoint.format.fqn import canonical_fqn
+    from accelkit.checkpoint.formats.importing import Imported, write_portable
 
     checkpoint = dict(checkpoint)
     checkpoint["state_dict"] = model.state_dict()
@@ -255,7 +255,7 @@ def save_before_setup(
         extras = {EXTRA_KEY: encode_lenient(checkpoint, "checkpoint", keep_tensors=True)}
         step = checkpoint.get("meta", {}).get("iter")
         imported = Imported(tensors, objects, extras, f"mmengine:{accel.name}", step=step)
-        from accelkit.checkpoint.remote import local_paths
+        from accelkit.checkpoint.formats.transfer import local_paths
 
         # an s3:// path: written locally, then uploaded with its manifest last
         with local_paths(None, os.fspath(path), storage_options) as (_, local, publish):
@@ -320,7 +320,7 @@ def _history_buffer_statistic(owner: Any, name: Any) -> Any:
 
 def mmengine_allowlist() -> PickleAllowlist:
     """What ``trust_pickle=True`` lets a ``.pth`` name: tensors, containers and numpy values
-    (:func:`~accelkit.checkpoint.unpickle.conversion_allowlist`), MMEngine's HistoryBuffer, and
+    (:func:`~accelkit.checkpoint.formats.unpickle.conversion_allowlist`), MMEngine's HistoryBuffer, and
     ``builtins.getattr`` bound to :func:`_history_buffer_statistic` (never the real one)."""
     from mmengine.logging import HistoryBuffer
 
@@ -444,8 +444,8 @@ def load_full_state_dict(
     """
     import tempfile
 
-    from accelkit.checkpoint.fqn import canonical_fqn
-    from accelkit.checkpoint.importing import (
+    from accelkit.checkpoint.format.fqn import canonical_fqn
+    from accelkit.checkpoint.formats.importing import (
         Imported,
         optimizer_import,
         positional_names,
@@ -495,8 +495,8 @@ def read_as_mmengine(src: str | os.PathLike) -> dict[str, Any]:
     Reads any world size and backend. All or nothing: every checksum is verified before it
     returns, and a damaged or incomplete checkpoint raises :class:`CheckpointError`.
     """
-    from accelkit.checkpoint.codec import decode as decode_json
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.format.codec import decode as decode_json
+    from accelkit.checkpoint.read.reader import CheckpointReader
 
     with CheckpointReader(src) as reader:
         objects = reader.manifest.objects

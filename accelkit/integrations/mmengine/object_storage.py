@@ -6,7 +6,7 @@ save. :func:`register` (run when ``accelkit.integrations.mmengine`` is imported)
 :class:`AccelkitS3Backend` as ``backend='accelkit_s3'`` with both of MMEngine's registries, and
 for the ``s3`` prefix too where ``petrel_client`` is not installed. It serves what the checkpoint
 hook asks of a file backend (join, exists, remove a checkpoint, read and write small files); the
-checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.remote`).
+checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.store.s3`).
 
 ``backend_args`` (the hook's and the runner's) become the store's ``storage_options``: the
 endpoint and credentials, else the AWS_* variables and profiles::
@@ -28,8 +28,9 @@ from typing import Any
 from mmengine.fileio import FileClient, register_backend
 from mmengine.fileio.backends import BaseStorageBackend
 
-from accelkit.checkpoint import objectstore, remote
-from accelkit.checkpoint.manifest import MANIFEST_NAME
+from accelkit.checkpoint.format.manifest import MANIFEST_NAME
+from accelkit.checkpoint.store import s3 as remote
+from accelkit.checkpoint.store import s3_client as objectstore
 
 BACKEND_NAME = "accelkit_s3"
 

@@ -7,7 +7,7 @@ torch's layout: a group's step is written for each parameter of the group that h
 0-d fp32 tensor (``optim:step``), with ``"step_granularity": "group"`` in the manifest, and the
 group's ``step`` entry is left out of the stored hyperparameters. So a torch AdamW resumes from
 a FusedAdam checkpoint as it would from its own, and the reverse: loading per-parameter steps
-into a group takes their common value (``accelkit.checkpoint.sharded.group_scalar``).
+into a group takes their common value (``accelkit.checkpoint.shards.sharded.group_scalar``).
 
 **State dtype.** FusedAdam keeps ``exp_avg`` / ``exp_avg_sq`` in fp32 whatever the parameters'
 dtype; state loaded into it is made fp32 (torch's bf16 state from ``bf16-true`` is upcast).

@@ -1,6 +1,6 @@
 """ColossalAI state in the portable checkpoint (docs/architecture.md, "The portable checkpoint").
 
-ColossalAI's partitioning is read into :class:`~accelkit.checkpoint.sharded.Slot` s, which the
+ColossalAI's partitioning is read into :class:`~accelkit.checkpoint.shards.sharded.Slot` s, which the
 kit writes and reads back (each rank its own ranges, at any world size; no gather):
 
 - **TorchDDP, Hybrid without a separate master** (fp32, ZeRO off): parameters and optimizer state

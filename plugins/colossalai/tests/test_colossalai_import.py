@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("colossalai")
 
 import accelkit
-from accelkit.checkpoint.convert import convert
+from accelkit.checkpoint.formats.convert import convert
 from accelkit.errors import CheckpointError
 from accelkit.sdk import PickleRefused, conversion_allowlist, restricted_torch_load
 from accelkit.testing import run_ranks

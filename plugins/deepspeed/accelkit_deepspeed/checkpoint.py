@@ -1,6 +1,6 @@
 """DeepSpeed state in the portable checkpoint (docs/architecture.md, "The portable checkpoint").
 
-What is DeepSpeed's own: reading its partitioning into :class:`~accelkit.checkpoint.sharded.Slot`
+What is DeepSpeed's own: reading its partitioning into :class:`~accelkit.checkpoint.shards.sharded.Slot`
 s (each rank writes and reads back the flat ranges it holds; the kit does that, nothing is
 gathered), its per-group ``step``, refreshing its low-precision weights, its engine state.
 

@@ -124,7 +124,7 @@ def _name(name: str, strip_prefix: str | None) -> str:
 
 
 def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
-    """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.importing.Imported`."""
+    """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.formats.importing.Imported`."""
     from accelkit.sdk import Imported
 
     optim_files = _files(folder, _OPTIM)

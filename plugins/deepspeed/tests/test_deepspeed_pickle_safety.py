@@ -29,7 +29,7 @@ from dsk_pickle_native import NATIVE_PLANTINGS, PLACES
 from dsk_pickle_reference import VARIANTS
 from test_deepspeed_training import CPU_ENV
 
-from accelkit.checkpoint.convert import convert
+from accelkit.checkpoint.formats.convert import convert
 from accelkit.cli import main as cli
 from accelkit.sdk import PickleRefused, pickle_globals
 from accelkit.testing import run_ranks

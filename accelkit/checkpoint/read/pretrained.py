@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from accelkit.checkpoint.manifest import (
+from accelkit.checkpoint.format.manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -27,6 +28,9 @@ from accelkit.checkpoint.manifest import (
     TensorEntry,
 )
 from accelkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from accelkit.checkpoint.store.s3_client import S3Location
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -87,7 +91,7 @@ def manifest_of(
     directory: Path, files: list[str], name_of: Callable[[str], str | None], obj: str = "model"
 ) -> Manifest:
     """An accelkit manifest describing the tensors of safetensors ``files`` as module ``obj``."""
-    from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, ST_TO_DTYPE, read_header
+    from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, ST_TO_DTYPE, read_header
 
     tensors: dict[str, TensorEntry] = {}
     sizes = {}
@@ -137,7 +141,7 @@ def open_pretrained(
     add_prefix: str | None = None,
 ) -> Any:
     """A reader over a pretrained safetensors source (see :func:`source_files`)."""
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.read.reader import CheckpointReader
 
     directory, files, cited = source_files(Path(source))
     manifest = manifest_of(directory, files, renamer(rename, strip_prefix, add_prefix))
@@ -145,3 +149,57 @@ def open_pretrained(
     return CheckpointReader(
         directory, strict=strict, verify=False, manifest=manifest, described_by=cited
     )
+
+
+@contextmanager
+def fetched_pretrained(
+    where: S3Location, storage_options: dict[str, Any] | None = None
+) -> Iterator[Path]:
+    """Pretrained safetensors at ``where`` (one ``.safetensors`` object, or a prefix with
+    ``model.safetensors`` or the shards of ``model.safetensors.index.json``) in a local
+    temporary directory; what it yields is what :func:`load_pretrained` takes."""
+    from accelkit.checkpoint.store import s3_client as objectstore
+    from accelkit.checkpoint.store.s3 import _cited, download
+    from accelkit.checkpoint.store.scratch import LOAD_PREFIX, staging
+
+    store = objectstore.store_for(where, storage_options)
+    single = bool(where.key) and store.head(where.key) is not None  # an object, not a prefix
+    with staging(LOAD_PREFIX) as folder:
+        local = folder / ("object" if single else (where.name or where.bucket))
+        local.mkdir()
+        if single:
+            download(where.parent, local, [where.name], storage_options)
+            yielded = local / where.name
+        elif store.head(where.child(INDEX_NAME).key) is not None:
+            raw = store.get(where.child(INDEX_NAME).key)
+            (local / INDEX_NAME).write_bytes(raw)
+            try:
+                names = sorted(set(json.loads(raw)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(
+                    f"{where.child(INDEX_NAME)}: not a safetensors index ({err})"
+                ) from err
+            prefix = f"{where.key}/"
+            present = {key[len(prefix) :] for key, _ in store.list(prefix)}
+            missing = [str(where.child(n)) for n in names if n not in present]
+            if missing:
+                raise CheckpointError(
+                    f"{where.child(INDEX_NAME)} names {', '.join(missing)}, which the store "
+                    "does not hold; the upload or copy is incomplete"
+                )
+            download(where, local, names, storage_options)
+            yielded = local
+        elif store.head(where.child(SINGLE_NAME).key) is not None:
+            download(where, local, [SINGLE_NAME], storage_options)
+            yielded = local
+        else:
+            raise CheckpointError(
+                f"{where}: no {SINGLE_NAME}, {INDEX_NAME} or {MANIFEST_NAME} there; pass a "
+                "prefix holding Hugging Face-style safetensors, a .safetensors object or an "
+                "accelkit checkpoint"
+            )
+        try:
+            yield yielded
+        except CheckpointError as err:
+            pairs = [(yielded, where), (local, where.parent if single else where)]
+            raise _cited(err, pairs) from err

@@ -28,15 +28,13 @@ from typing import Any
 import torch
 
 from accelkit import distributed
-from accelkit.checkpoint import background, commit, progress, storage
 from accelkit.checkpoint import profile as profiling
-from accelkit.checkpoint import rng as rng_io
-from accelkit.checkpoint.codec import drop_callables, encode
-from accelkit.checkpoint.commit import agree, was_agreed  # noqa: F401  (callers import them here)
-from accelkit.checkpoint.digest import DEFAULT as DEFAULT_CHECKSUM
-from accelkit.checkpoint.digest import check_algorithm
-from accelkit.checkpoint.fragments import Fragment, ObjectInfo, StateObjects, classify_state
-from accelkit.checkpoint.manifest import (
+from accelkit.checkpoint import progress
+from accelkit.checkpoint.format import rng as rng_io
+from accelkit.checkpoint.format.codec import drop_callables, encode
+from accelkit.checkpoint.format.digest import DEFAULT as DEFAULT_CHECKSUM
+from accelkit.checkpoint.format.digest import check_algorithm
+from accelkit.checkpoint.format.manifest import (
     BACKEND_OBJECT,
     EXTRA_NAME,
     EXTRA_OBJECT,
@@ -49,7 +47,12 @@ from accelkit.checkpoint.manifest import (
     TensorEntry,
     rank_file_name,
 )
-from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, write_file
+from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, write_file
+from accelkit.checkpoint.shards.fragments import Fragment, ObjectInfo, StateObjects, classify_state
+from accelkit.checkpoint.store import posix as storage
+from accelkit.checkpoint.write import agreement as commit
+from accelkit.checkpoint.write import background
+from accelkit.checkpoint.write.agreement import agree, was_agreed  # noqa: F401  (callers import them here)
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -236,7 +239,7 @@ def _write_planned(
     if profile is not None and profile.asynchronous:
         shared = background.shared_staging(to_write)
     if shared is not None:  # the snapshot is in shared memory: the writer process writes it
-        from accelkit.checkpoint import write_process
+        from accelkit.checkpoint.write import write_process
 
         shared_buffer, spans = shared
         try:
@@ -470,14 +473,14 @@ def save(
     and loading does not count them missing). ``checksum``: each fragment's checksum,
     ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic). ``asynchronous``:
     return once the state is copied to host memory; writing and committing go on in the
-    background (:mod:`accelkit.checkpoint.background`)."""
+    background (:mod:`accelkit.checkpoint.write.background`)."""
     background.wait()  # the save in flight commits (or raises) before this one starts
     commit.roll_call("started", f"saving {path}")  # a rank that never comes is named, in time
     started = time.perf_counter()
     profile = profiling.SaveProfile(asynchronous=asynchronous)
     check_algorithm(checksum)
     if asynchronous:
-        from accelkit.checkpoint import write_process
+        from accelkit.checkpoint.write import write_process
 
         write_process.enabled()  # a misspelt ACCELKIT_ASYNC_WRITER is refused now, not later
         write_process.stall_limits()  # and so is a malformed stall limit
@@ -567,7 +570,7 @@ def _write_and_commit(
     profile: profiling.SaveProfile,
 ) -> None:
     """Every rank writes its shards (its rank file); every rank reports; rank 0 writes the
-    manifest and commits; every rank learns the outcome (:mod:`accelkit.checkpoint.commit`:
+    manifest and commits; every rank learns the outcome (:mod:`accelkit.checkpoint.write.agreement`:
     collectives on ``group``, each wait bounded)."""
     rank = record["rank"]
     profile.tensors = len(to_write)

@@ -5,7 +5,7 @@ partitions, ZeRO-3 partitions, FSDP2 row shards). A :class:`Fragment` is one suc
 rank. A backend's ``local_fragments(state)`` yields the fragments this rank holds, plus one
 :class:`ObjectInfo` per object with its non-tensor description (an optimizer's family and param
 groups); ``load_fragments(reader, state)`` fills this rank's pieces from any checkpoint through
-:class:`~accelkit.checkpoint.reader.CheckpointReader`, whatever wrote it.
+:class:`~accelkit.checkpoint.read.reader.CheckpointReader`, whatever wrote it.
 
 This module holds the default pair used by the torch-native backends: plain tensors (one
 process, or replicas under data parallelism) and DTensor parameters, without naming any backend.
@@ -21,19 +21,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from accelkit.checkpoint.codec import decode, encode
-from accelkit.checkpoint.dtensor import (
+from accelkit.checkpoint.format.codec import decode, encode
+from accelkit.checkpoint.format.fqn import module_tensors, user_module
+from accelkit.checkpoint.shards.dtensor import (
     dtensor_writes_here,
     flat_range,
     is_dtensor,
     local_region,
 )
-from accelkit.checkpoint.fqn import module_tensors, user_module
 from accelkit.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from accelkit.checkpoint.manifest import TensorEntry
-    from accelkit.checkpoint.reader import CheckpointReader
+    from accelkit.checkpoint.format.manifest import TensorEntry
+    from accelkit.checkpoint.read.reader import CheckpointReader
 
 log = logging.getLogger("accelkit")
 
@@ -575,7 +575,7 @@ def state_like(
 ) -> torch.Tensor:
     """A new optimizer-state tensor placed as torch's ``Optimizer.load_state_dict`` would:
     ``step`` on the CPU unless the group is capturable or fused, the rest like the parameter."""
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     group = group or {}
     stored = DTYPES_BY_NAME[entry.dtype]
@@ -595,7 +595,7 @@ def new_state(
     """Zeros for optimizer state ``entry`` with the shape and device of ``like`` (a parameter, a
     master, a flat partition): ``like``'s dtype where both are floating point (``float_dtype``
     where the optimizer keeps its own, as FusedAdam's fp32 moments), the stored one otherwise."""
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     stored = DTYPES_BY_NAME[entry.dtype]
     if not stored.is_floating_point:

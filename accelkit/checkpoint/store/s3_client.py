@@ -451,7 +451,7 @@ class ObjectStore:
 class UploadSink:
     """A file's bytes, written at offsets by several threads at once, uploaded as they come: each
     part goes up as soon as all of its bytes are there, while the rest is still being written
-    (a :class:`~accelkit.checkpoint.safetensors_io.Sink`). Nothing lands on a local disk.
+    (a :class:`~accelkit.checkpoint.format.safetensors_io.Sink`). Nothing lands on a local disk.
 
     Memory stays bounded: a writer waits while ``queued`` finished parts wait for the network.
     A failed part fails the next write at once, and :meth:`close` aborts an unfinished upload,

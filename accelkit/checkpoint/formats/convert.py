@@ -10,7 +10,7 @@ or integration registers through the ``accelkit_checkpoint_exporters`` hook (``m
 checkpoint that any backend loads at any world size.
 
 The names of the conversion kit keep their old home here: they are defined in
-:mod:`accelkit.checkpoint.importing` (writing what an importer found), :mod:`.unpickle` (restricted
+:mod:`accelkit.checkpoint.formats.importing` (writing what an importer found), :mod:`.unpickle` (restricted
 unpickling), :mod:`.progress` and :mod:`.formats`.
 """
 
@@ -23,19 +23,17 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint import storage
 from accelkit.checkpoint.formats.dcp import DCPImporter, export_dcp
 from accelkit.checkpoint.formats.hf import export_hf
-from accelkit.checkpoint.formats.portable import export_file
-from accelkit.checkpoint.formats.state_dict import SafetensorsImporter, TorchFileImporter
-from accelkit.checkpoint.importing import (
+from accelkit.checkpoint.formats.importing import (
     Imported,
     optimizer_import,
     positional_names,
     write_portable,
 )
-from accelkit.checkpoint.progress import PROGRESS_BYTES
-from accelkit.checkpoint.unpickle import (
+from accelkit.checkpoint.formats.portable import export_file
+from accelkit.checkpoint.formats.state_dict import SafetensorsImporter, TorchFileImporter
+from accelkit.checkpoint.formats.unpickle import (
     CONVERT_REFUSED_HINT,
     PICKLE_HINT,
     TENSOR_CONTAINERS,
@@ -48,6 +46,8 @@ from accelkit.checkpoint.unpickle import (
     restricted_torch_load,
     tensor_allowlist,
 )
+from accelkit.checkpoint.progress import PROGRESS_BYTES
+from accelkit.checkpoint.store import posix as storage
 from accelkit.errors import CheckpointError
 from accelkit.hookspecs import hookimpl
 

@@ -12,7 +12,7 @@ saved so far (pinned when the state is on a GPU, so the device-to-host copies ru
 speed). Pinning takes far longer than copying, so the first save of a GPU state snapshots into
 spare device memory instead, where there is room, and the buffer is pinned in the background
 after that save is written (:func:`snapshot`). The buffer is shared memory, written out by a
-process of its own (:mod:`accelkit.checkpoint.write_process`), so the writing never contends
+process of its own (:mod:`accelkit.checkpoint.write.write_process`), so the writing never contends
 with training for the GIL.
 """
 
@@ -89,8 +89,8 @@ def wait() -> None:
 
 def commit_group() -> Any:
     """A gloo group over every rank for the background commit (made once; collective):
-    :func:`accelkit.checkpoint.commit.commit_group`."""
-    from accelkit.checkpoint import commit
+    :func:`accelkit.checkpoint.write.agreement.commit_group`."""
+    from accelkit.checkpoint.write import agreement as commit
 
     return commit.commit_group()
 
@@ -125,7 +125,7 @@ def snapshot(tensors: list[tuple[str, Any]]) -> list[tuple[str, torch.Tensor]]:
     - else into the host buffer, (re)allocated now (pinned for device tensors).
     """
     global _grow_to, _grow_device
-    from accelkit.checkpoint.safetensors_io import LazyTensor
+    from accelkit.checkpoint.format.safetensors_io import LazyTensor
 
     items = [(k, t.fetch() if isinstance(t, LazyTensor) else t.detach()) for k, t in tensors]
     total = sum(-(-_nbytes(t) // 64) * 64 for _, t in items)  # each copy 64-byte aligned
@@ -162,7 +162,7 @@ def _allocate(nbytes: int, pin: torch.device | None) -> None:
     had, else process memory; page-locked for the GPU ``pin`` (the state's device, so the
     calling thread touches no other GPU)."""
     global _buffer, _pinned, _shared
-    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.write import write_process
 
     _buffer, _pinned = None, False  # release the old one before pinning a larger one
     if _shared is not None:
@@ -186,7 +186,7 @@ def _allocate(nbytes: int, pin: torch.device | None) -> None:
 def shared_staging(to_write: list[tuple[str, Any]]) -> tuple[Any, list[tuple[int, int]]] | None:
     """The shared buffer and each tensor's span in it, when every tensor of ``to_write`` lies
     in the process's shared snapshot buffer (so a writer process can write them); else None."""
-    from accelkit.checkpoint import write_process
+    from accelkit.checkpoint.write import write_process
 
     if _shared is None or not to_write or not write_process.enabled():
         return None
@@ -219,7 +219,7 @@ def _at_exit() -> None:
     except CheckpointError as err:
         failed = err
     if _shared is not None:  # the writer process ends once the last save is written
-        from accelkit.checkpoint import write_process
+        from accelkit.checkpoint.write import write_process
 
         write_process.close_all()
     if failed is None:

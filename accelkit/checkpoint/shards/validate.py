@@ -4,7 +4,7 @@ A load that fails must leave the model, optimizer, scheduler, loaders and RNG as
 user who catches the error (or an auto-resume that falls back to an older checkpoint) trains a
 corrupted model. So :func:`accelkit.checkpoint.load` runs in two phases:
 
-1. **validate** (this module; nothing live is written): the manifest's schema and every rank
+1. **validate** (this module, and :mod:`accelkit.checkpoint.read.verify` for the checksums; nothing live is written): the manifest's schema and every rank
    file's size, place and header (at open); every fragment's checksum, the work split over the
    ranks; every target's key and shape, each optimizer's param groups, hyperparameters and
    per-parameter state keys (the backend's :meth:`~accelkit.backend.Backend.check_load`); the
@@ -18,17 +18,17 @@ corrupted model. So :func:`accelkit.checkpoint.load` runs in two phases:
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.fqn import module_tensors, user_module
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint.format.codec import decode
+from accelkit.checkpoint.format.fqn import module_tensors, user_module
+from accelkit.checkpoint.format.manifest import BACKEND_OBJECT
+from accelkit.checkpoint.read.rank_state import read_rank_states
+from accelkit.checkpoint.shards.fragments import (
     check_param_groups,
     classify_state,
     match_module_entries,
@@ -36,93 +36,7 @@ from accelkit.checkpoint.fragments import (
     param_owners,
     weights_entry,
 )
-from accelkit.checkpoint.manifest import BACKEND_OBJECT
-from accelkit.checkpoint.rank_state import read_rank_states
 from accelkit.errors import CheckpointError
-
-# ---- checksums, split over the ranks ------------------------------------------------------------
-#: fragments up to this size are checked in runs: back to back in their file, read at once
-RUN_BYTES = 4 << 20
-
-
-#: where a fragment lies and which it is: ``(file, byte offset, nbytes, entry, index)``
-Span = tuple[str, int, int, Any, int]
-
-
-def share_spans(reader: Any, rank: int, world: int) -> list[Span]:
-    """This rank's share of all fragments, in file order: a fragment belongs to the rank whose
-    ``1/world`` slice of the bytes it starts in. Every rank computes every share alike, so each
-    fragment is checked by exactly one rank (an object-storage load downloads its share first
-    and hashes it while it arrives, :mod:`accelkit.checkpoint.remote_load`)."""
-    spans = []
-    for entry in reader.manifest.tensors:
-        for i in range(len(entry.fragments)):
-            spans.append((*reader.fragment_span(entry, i), entry, i))
-    spans.sort(key=lambda s: (s[0], s[1]))
-    total = sum(s[2] for s in spans) or 1
-    mine, seen = [], 0
-    for span in spans:
-        if min(world - 1, seen * world // total) == rank:
-            mine.append(span)
-        seen += span[2]
-    return mine
-
-
-def check_batches(spans: list[Span]) -> list[list[Span]]:
-    """``spans`` grouped for checking: a large fragment alone (streamed in chunks), small ones
-    lying back to back in one file in runs of up to :data:`RUN_BYTES` (one read each)."""
-    batches: list[list[Span]] = []
-    run: list[Span] | None = None
-    run_file, run_end, run_bytes = None, -1, 0
-    for span in spans:
-        name, offset, nbytes = span[:3]
-        if nbytes > RUN_BYTES:
-            batches.append([span])
-            continue
-        if not (run and name == run_file and offset == run_end and run_bytes + nbytes <= RUN_BYTES):
-            run, run_bytes = [], 0
-            batches.append(run)
-        run.append(span)
-        run_file, run_end, run_bytes = name, offset + nbytes, run_bytes + nbytes
-    return batches
-
-
-def check_batch(reader: Any, batch: list[Span]) -> None:
-    """Check the checksums of one of :func:`check_batches`' groups; raise on the first that
-    failed."""
-    if len(batch) == 1 and batch[0][2] > RUN_BYTES:
-        reader.verify_fragment(batch[0][3], batch[0][4])
-    else:
-        reader.verify_run(batch)
-
-
-def verify_share(reader: Any, rank: int, world: int, workers: int = 8) -> None:
-    """Check the checksums of this rank's share of all fragments (:func:`share_spans`),
-    several at once; raise naming the first that failed and how many did. Small fragments lying
-    back to back are checked in runs of one read each. Fragments the reader's ``prechecked``
-    reports (hashed while they downloaded) are not read again; those that failed there raise
-    here, in file order, with the rest."""
-    mine = share_spans(reader, rank, world)
-    problems: list[CheckpointError] = []
-    prechecked = getattr(reader, "prechecked", None)
-    if prechecked is not None:
-        checked, failed = prechecked()
-        problems.extend(failed)
-        mine = [s for s in mine if (s[0], s[3].fragments[s[4]].key) not in checked]
-    batches = check_batches(mine)
-    if batches:
-        workers = min(workers, os.cpu_count() or 2, len(batches))
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            # the large fragments first: they take longest
-            order = sorted(batches, key=lambda b: len(b) > 1 or b[0][2] <= RUN_BYTES)
-            for future in [pool.submit(check_batch, reader, b) for b in order]:
-                try:
-                    future.result()
-                except CheckpointError as err:
-                    problems.append(err)
-    if problems:
-        more = f" ({len(problems) - 1} more fragments failed too)" if len(problems) > 1 else ""
-        raise CheckpointError(f"{problems[0]}{more}; nothing was loaded")
 
 
 # ---- modules and torch optimizers (the default Backend.check_load) -----------------------------
@@ -170,7 +84,7 @@ def check_module_targets(
     shape_of: Callable[[Any], tuple[int, ...]] | None = None,
 ) -> None:
     """Module ``name``'s saved tensors against its live ``targets`` (``(fqn, target,
-    is_param, aliases)``, as :func:`~accelkit.checkpoint.fqn.module_tensors` lists them):
+    is_param, aliases)``, as :func:`~accelkit.checkpoint.format.fqn.module_tensors` lists them):
     keys under the ``strict`` rule, full shapes, float/integer kind, no meta tensor. A target
     needs only ``shape`` (and ``dtype``, ``device`` where it has them), so a backend whose
     parameters are flat buffers passes one stand-in per original parameter."""
@@ -198,7 +112,7 @@ def check_module_targets(
 def _check_kind(reader: Any, entry: Any, target: Any) -> None:
     """Values convert between float dtypes (bf16 files into fp32 weights), never between a
     float and an integer or boolean tensor."""
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     stored = DTYPES_BY_NAME.get(entry.dtype)
     dtype = getattr(target, "dtype", None)

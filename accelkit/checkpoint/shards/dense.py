@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint.shards.fragments import (
     Fragment,
     ObjectInfo,
     dense_fragments,
     load_dense_fragments,
 )
-from accelkit.checkpoint.validate import check_dense_load
+from accelkit.checkpoint.shards.validate import check_dense_load
 
 
 def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:

@@ -23,7 +23,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from accelkit.checkpoint.manifest import MANIFEST_NAME
+from accelkit.checkpoint.format.manifest import MANIFEST_NAME
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")

@@ -7,7 +7,7 @@ allocated once per process and reused by every later save:
 
 - :func:`device_slots`: a few small pinned slots through which a synchronous save streams each
   GPU tensor to its file, piece by piece, the next piece's copy overlapping this one's write;
-- the asynchronous save's snapshot buffer (:mod:`accelkit.checkpoint.background`), as large as
+- the asynchronous save's snapshot buffer (:mod:`accelkit.checkpoint.write.background`), as large as
   the rank's state.
 
 :func:`start_writeback` hands a written range to the kernel's writeback at once, so the disk
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.write_worker import SYNC_FILE_RANGE_WRITE, load_sync_file_range
+from accelkit.checkpoint.format.fileio import SYNC_FILE_RANGE_WRITE, load_sync_file_range
 
 #: bytes per pinned slot of a synchronous save (two slots per writer thread)
 SLOT_BYTES = 8 << 20

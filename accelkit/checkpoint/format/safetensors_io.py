@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import torch
 
-from accelkit.checkpoint import staging
-from accelkit.checkpoint.digest import digest as digest_of
-from accelkit.checkpoint.digest import hasher as new_hasher
-from accelkit.checkpoint.staging import start_writeback
-from accelkit.checkpoint.write_worker import pwrite_all
+from accelkit.checkpoint.format import pinned as staging
+from accelkit.checkpoint.format.digest import digest as digest_of
+from accelkit.checkpoint.format.digest import hasher as new_hasher
+from accelkit.checkpoint.format.fileio import pwrite_all
+from accelkit.checkpoint.format.pinned import start_writeback
 
 DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -152,12 +152,12 @@ def write_file(
     profile: Any = None,
 ) -> dict[str, str]:
     """Write ``(key, tensor)`` pairs into a safetensors file; return key -> digest (``checksum``
-    names the algorithm, see :mod:`accelkit.checkpoint.digest`).
+    names the algorithm, see :mod:`accelkit.checkpoint.format.digest`).
 
     With ``flat`` each tensor is stored 1-D (shape ``[numel]``; the manifest keeps the real
     shapes), else with its own shape. Every tensor's offset is known from the header, so the
     pool's threads write (``pwrite``) and hash the tensors in parallel. A device tensor streams
-    through pinned staging slots (:mod:`accelkit.checkpoint.staging`, reused across saves) in
+    through pinned staging slots (:mod:`accelkit.checkpoint.format.pinned`, reused across saves) in
     pieces, each piece's copy overlapping the previous piece's write; a :class:`LazyTensor` is
     fetched one at a time, with at most a few in flight. Each written range is handed to the
     kernel's writeback at once, so the disk works while the rest is produced and the final

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint import staging
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.digest import digest as digest_of
-from accelkit.checkpoint.digest import hasher as new_hasher
-from accelkit.checkpoint.manifest import (
+from accelkit.checkpoint.format import pinned as staging
+from accelkit.checkpoint.format.codec import decode
+from accelkit.checkpoint.format.digest import digest as digest_of
+from accelkit.checkpoint.format.digest import hasher as new_hasher
+from accelkit.checkpoint.format.manifest import (
     EXTRA_NAME,
     EXTRA_OBJECT,
     MANIFEST_NAME,
@@ -47,7 +47,7 @@ from accelkit.checkpoint.manifest import (
     Manifest,
     TensorEntry,
 )
-from accelkit.checkpoint.safetensors_io import (
+from accelkit.checkpoint.format.safetensors_io import (
     DTYPE_TO_ST,
     DTYPES_BY_NAME,
     ST_TO_DTYPE,
@@ -117,8 +117,8 @@ class CheckpointReader:
         """``manifest``: read these files as it describes them (pretrained safetensors, which
         have no ``accelkit.json``; ``described_by`` names what the messages cite instead).
         ``ensure(file, offset, nbytes)``: called before each read of a rank file's bytes, to bring
-        in those not there yet (:mod:`accelkit.checkpoint.remote_load`), or raise CheckpointError."""
-        from accelkit.checkpoint.storage import resolve
+        in those not there yet (:mod:`accelkit.checkpoint.read.s3_copy`), or raise CheckpointError."""
+        from accelkit.checkpoint.store.posix import resolve
 
         self.directory = resolve(directory) if manifest is None else Path(directory)
         self.strict = strict

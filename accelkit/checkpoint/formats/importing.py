@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint import storage
-from accelkit.checkpoint.codec import drop_callables, encode
-from accelkit.checkpoint.fqn import canonical_fqn
-from accelkit.checkpoint.fragments import param_group_hyperparams
-from accelkit.checkpoint.manifest import (
+from accelkit.checkpoint.format.codec import drop_callables, encode
+from accelkit.checkpoint.format.fqn import canonical_fqn
+from accelkit.checkpoint.format.manifest import (
     EXTRA_OBJECT,
     FORMAT,
     FORMAT_VERSION,
     rank_file_name,
 )
+from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, LazyTensor, write_file
 from accelkit.checkpoint.progress import progress_bar
-from accelkit.checkpoint.safetensors_io import DTYPE_NAMES, LazyTensor, write_file
+from accelkit.checkpoint.shards.fragments import param_group_hyperparams
+from accelkit.checkpoint.store import posix as storage
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -50,7 +50,7 @@ def write_portable(
     imported: Imported, dst: str | os.PathLike, *, progress: bool | None = None
 ) -> Path:
     """Write ``imported`` as a world-size-1 portable checkpoint at ``dst`` (atomically)."""
-    from accelkit.checkpoint.writer import _build_manifest, finalize
+    from accelkit.checkpoint.write.writer import _build_manifest, finalize
 
     path = Path(dst).absolute()
     storage.prepare(path)

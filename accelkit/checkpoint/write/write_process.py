@@ -35,7 +35,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from accelkit.checkpoint.write_worker import pwrite_all, recv_frame, send_frame
+from accelkit.checkpoint.format.fileio import pwrite_all
+from accelkit.checkpoint.write.write_worker import recv_frame, send_frame
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -331,7 +332,7 @@ def write_file(
     """Write a new safetensors rank file ``path`` whose tensors all lie in the shared buffer of
     ``writer`` (at ``spans``): this process creates the file and writes the header, and hands
     the open file to the writer process for the data. Returns key -> digest."""
-    from accelkit.checkpoint.safetensors_io import layout
+    from accelkit.checkpoint.format.safetensors_io import layout
 
     prefix, offsets = layout(to_write, metadata)
     items = [
@@ -354,6 +355,6 @@ def write_file(
 
 def close_all() -> None:
     """Stop every writer process (at exit, after the save in flight has committed: called by
-    :mod:`accelkit.checkpoint.background`'s exit handler, so the order is fixed)."""
+    :mod:`accelkit.checkpoint.write.background`'s exit handler, so the order is fixed)."""
     for writer in list(_live):
         writer.close()

@@ -16,7 +16,7 @@ them; everything after that is the same and lives here, once:
   names matched, the saved param groups checked and copied, and new optimizer state made by
   :func:`new_state` / :func:`state_like`.
 
-The helpers the dense path (:mod:`accelkit.checkpoint.fragments`) uses too are defined there and
+The helpers the dense path (:mod:`accelkit.checkpoint.shards.fragments`) uses too are defined there and
 exported from here, so a plugin imports its whole kit from one module. See docs/plugins.md,
 "Checkpoints of a sharded backend".
 """
@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.codec import encode
-from accelkit.checkpoint.fqn import module_tensors, user_module
-from accelkit.checkpoint.fragments import (
+from accelkit.checkpoint.format.codec import encode
+from accelkit.checkpoint.format.fqn import module_tensors, user_module
+from accelkit.checkpoint.shards.fragments import (
     BUFFER,
     MASTER,
     OPTIM_PREFIX,

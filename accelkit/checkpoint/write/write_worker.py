@@ -3,9 +3,9 @@ staging memory it shares with the training process.
 
 Run as a script (``python write_worker.py BUFFER_FD NBYTES CHANNEL_FD PARENT_PID``). It uses the
 standard library and ``xxhash`` alone, so it starts in milliseconds and shares nothing with
-training but that memory; for the same reason it is the one home of the two file calls the
-in-process writers use too (:func:`pwrite_all`, :func:`load_sync_file_range`): importing it costs
-nothing. A writer thread in the training process would take the GIL back after every write and
+training but that memory; the two file calls the in-process writers use too (``pwrite_all``,
+``load_sync_file_range``) come from :mod:`accelkit.checkpoint.format.fileio`, a standard-library
+module it imports by its folder. A writer thread in the training process would take the GIL back after every write and
 checksum call, and a step whose Python thread launches many small kernels pays for each
 hand-off; this process never contends for it.
 
@@ -33,8 +33,20 @@ stalled one; then ``{"digests": {key: hex}, "pwrite": s, "checksum": s, "fsync":
 import os
 import sys
 
-if __name__ == "__main__" and sys.path and sys.path[0] == os.path.dirname(__file__):
-    sys.path.pop(0)  # the script's folder holds modules named like the standard library's
+if __name__ == "__main__":
+    if sys.path and sys.path[0] == os.path.dirname(__file__):
+        sys.path.pop(0)  # the script's folder holds modules named like the standard library's
+    # the two file calls it shares with the in-process writers, from a standard-library module
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "format"))
+    from fileio import SYNC_FILE_RANGE_WRITE, load_sync_file_range, pwrite_all
+
+    sys.path.pop(0)
+else:
+    from accelkit.checkpoint.format.fileio import (
+        SYNC_FILE_RANGE_WRITE,
+        load_sync_file_range,
+        pwrite_all,
+    )
 
 import ctypes
 import ctypes.util
@@ -50,7 +62,6 @@ import time
 
 #: bytes per write call: each piece goes to writeback and is hashed while still in cache
 PIECE = 8 << 20
-SYNC_FILE_RANGE_WRITE = 2
 #: pieces written but not yet checksummed, at most (the hash runs a piece behind the writes)
 HASH_QUEUE = 4
 #: the least time between two progress reports of one request
@@ -105,28 +116,6 @@ def _hasher(algorithm):
     if algorithm == "sha256":
         return hashlib.sha256()
     raise ValueError(f"unknown checksum algorithm {algorithm!r}")
-
-
-def load_sync_file_range():
-    """libc's ``sync_file_range``, or None where it is missing or ``ACCELKIT_NO_EARLY_WRITEBACK``
-    is set (then writes are left to the kernel until the fsync)."""
-    if os.environ.get("ACCELKIT_NO_EARLY_WRITEBACK"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    func.restype = ctypes.c_int
-    return func
-
-
-def pwrite_all(fd, view, offset):
-    """Write all of ``view`` at ``offset`` (``pwrite`` may write less than asked)."""
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def die_with_parent(parent):

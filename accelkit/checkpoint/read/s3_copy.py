@@ -22,19 +22,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from accelkit.checkpoint import objectstore
 from accelkit.checkpoint import profile as profiling
-from accelkit.checkpoint.manifest import MANIFEST_NAME
-from accelkit.checkpoint.objectstore import S3Location
-from accelkit.checkpoint.remote import (
-    LOAD_PREFIX,
-    STAGING_ENV,
-    _listed_files,
-    _pool,
-    _renamed,
-    resolve,
-    staging,
-)
+from accelkit.checkpoint.format.manifest import MANIFEST_NAME
+from accelkit.checkpoint.store import s3_client as objectstore
+from accelkit.checkpoint.store.s3 import _listed_files, _pool, _renamed, resolve
+from accelkit.checkpoint.store.s3_client import S3Location
+from accelkit.checkpoint.store.scratch import LOAD_PREFIX, STAGING_ENV, staging
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -198,7 +191,7 @@ class _PartialCopy:
 
 class _Prechecks:
     """Hashes this rank's verify share while it downloads: each group of fragments
-    (:func:`~accelkit.checkpoint.validate.check_batches`) is checked on a worker as soon as all
+    (:func:`~accelkit.checkpoint.read.verify.check_batches`) is checked on a worker as soon as all
     its bytes have landed. :meth:`result` is what the reader's ``prechecked`` returns."""
 
     def __init__(self, copies: dict[str, _PartialCopy]) -> None:
@@ -215,7 +208,7 @@ class _Prechecks:
     def share(self, reader: Any, spans: list[Any]) -> None:
         """Check ``spans`` (this rank's share) with ``reader``: those already in at once, the
         others as they land (bytes may land before: the headers come first)."""
-        from accelkit.checkpoint.validate import check_batches
+        from accelkit.checkpoint.read.verify import check_batches
 
         groups: dict[str, list[list[Any]]] = {}
         for group in check_batches(spans):
@@ -243,7 +236,7 @@ class _Prechecks:
 
     def _check(self, group: list[Any]) -> None:
         """Hash each fragment of ``group`` where it lies in the copy's mapping (no copy)."""
-        from accelkit.checkpoint.digest import hasher
+        from accelkit.checkpoint.format.digest import hasher
 
         view = self.copies[group[0][0]].view
         failed = None
@@ -295,15 +288,15 @@ def opened(
     verify: bool = True,
     profile: Any = None,
 ) -> Iterator[Any]:
-    """A :class:`~accelkit.checkpoint.reader.CheckpointReader` of the checkpoint ``where``
+    """A :class:`~accelkit.checkpoint.read.reader.CheckpointReader` of the checkpoint ``where``
     names (after ``latest``), for rank ``rank`` of ``world``, over a partial local copy. Before
     it yields: the manifest, ``extra.json`` and each rank file's header, then this rank's
-    verify share (:func:`~accelkit.checkpoint.validate.share_spans`; everything with one rank),
+    verify share (:func:`~accelkit.checkpoint.read.verify.share_spans`; everything with one rank),
     each group of fragments hashed as soon as it has landed. Any other range is fetched when
     the load reads it. Errors name the S3 objects, never the temporary files, which are gone
     when it exits."""
-    from accelkit.checkpoint.reader import CheckpointReader
-    from accelkit.checkpoint.validate import share_spans
+    from accelkit.checkpoint.read.reader import CheckpointReader
+    from accelkit.checkpoint.read.verify import share_spans
 
     profile = profile or profiling.SaveProfile()
     cleanup = ExitStack()

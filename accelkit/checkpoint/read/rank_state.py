@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from accelkit.backend import Backend
-from accelkit.checkpoint.codec import decode
-from accelkit.checkpoint.manifest import BACKEND_OBJECT
+from accelkit.checkpoint.format.codec import decode
+from accelkit.checkpoint.format.manifest import BACKEND_OBJECT
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")

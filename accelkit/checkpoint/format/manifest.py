@@ -39,7 +39,7 @@ def rank_file_name(rank: int) -> str:
 @dataclass
 class FragmentRecord:
     """One contiguous range ``[flat_offset, flat_offset + numel)`` of a flattened tensor, and
-    the checksum of its bytes (``algorithm``: see :mod:`accelkit.checkpoint.digest`)."""
+    the checksum of its bytes (``algorithm``: see :mod:`accelkit.checkpoint.format.digest`)."""
 
     file: str
     key: str
@@ -120,7 +120,7 @@ class TensorEntry:
 
 def _digest_of(fragment: dict[str, Any]) -> tuple[str, str]:
     """``(digest, algorithm)`` of a fragment record (the schema check ran: exactly one)."""
-    from accelkit.checkpoint.digest import ALGORITHMS
+    from accelkit.checkpoint.format.digest import ALGORITHMS
 
     algorithm = next(a for a in ALGORITHMS if a in fragment)
     return str(fragment[algorithm]), algorithm
@@ -264,7 +264,7 @@ class Manifest:
 
 
 def _element_sizes() -> dict[str, int]:
-    from accelkit.checkpoint.safetensors_io import DTYPES_BY_NAME
+    from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
 
     return {name: dtype.itemsize for name, dtype in DTYPES_BY_NAME.items()}
 
@@ -287,7 +287,7 @@ def _int(where: Path, name: str, value: Any, *, minimum: int = 0) -> None:
 
 def check_schema(data: dict[str, Any], where: Path) -> None:
     """Type-check every manifest field a reader relies on, naming the field and the file."""
-    from accelkit.checkpoint.digest import ALGORITHMS
+    from accelkit.checkpoint.format.digest import ALGORITHMS
 
     _int(where, "world_size", data.get("world_size"), minimum=1)
     for name in ("step", "applied_steps"):
