@@ -12,7 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accelkit.backend import Capabilities, SetupResult
 from accelkit.backends.distributed import DistributedBackend, DistributedOptions
+from accelkit.backends.pipelining import PipelinedModule, PipelineParallel
 from accelkit.backends.single import SingleDeviceBackend
+from accelkit.errors import ConfigError
 from accelkit.float8 import Float8Options
 from accelkit.precision import NATIVE_PRECISIONS
 
@@ -73,14 +75,38 @@ class TorchDDPOptions(DDPOptions, Float8Options):
         self.check_fp8_options()
 
 
-class DDPBackend(DistributedBackend, SingleDeviceBackend):
-    """One model replica per process; gradients all-reduced in buckets during backward."""
+class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
+    """One model replica per process; gradients all-reduced in buckets during backward. With
+    ``pp > 1``, one replica per pipeline stage: the ranks form a ``(pp, dp)`` mesh and each
+    stage is replicated over its ``dp`` ranks (:mod:`accelkit.backends.pipelining`)."""
 
-    capabilities = Capabilities(no_sync=True, distributed=True, precisions=NATIVE_PRECISIONS)
+    capabilities = Capabilities(
+        no_sync=True,
+        distributed=True,
+        precisions=NATIVE_PRECISIONS,
+        pipeline_schedules=PipelineParallel.PIPELINE_SCHEDULES,
+    )
     options_class = TorchDDPOptions
+    #: the ``(pp, dp)`` mesh under pipeline parallelism (None without)
+    mesh: Any = None
 
     def launch(self) -> None:
         super().launch()
+        pipeline = self.settings.pipeline
+        if pipeline is not None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.check_pipeline_settings()
+            if self.world_size % pipeline.pp:
+                raise ConfigError(
+                    f"{self.name}: {self.world_size} ranks cannot be split into pp="
+                    f"{pipeline.pp} pipeline stages; launch a multiple of {pipeline.pp} processes"
+                )
+            self.mesh = init_device_mesh(
+                self._device.type,
+                (pipeline.pp, self.world_size // pipeline.pp),
+                mesh_dim_names=("pp", "dp"),
+            )
         self._powersgd = None
         if getattr(self.options, "comm_hook", None) == "powersgd":  # before setup: a load may
             from accelkit.backends.powersgd import PowerSGDKeeper  # come first
@@ -97,12 +123,82 @@ class DDPBackend(DistributedBackend, SingleDeviceBackend):
         compile: bool | dict[str, Any] = False,
         activation_checkpointing: Any = None,
     ) -> SetupResult:
+        if self.settings.pipeline is not None:
+            return self.setup_pipeline(
+                model,
+                optimizers,
+                compile=compile,
+                activation_checkpointing=activation_checkpointing,
+            )
         model = self.prepare_module(model, activation_checkpointing)
         ddp = DistributedDataParallel(model, **self.ddp_kwargs())
         self.on_wrapped(ddp)
         if compile:
             ddp.compile(**(compile if isinstance(compile, dict) else {}))
         return SetupResult(ddp, optimizers)
+
+    # ---- pipeline parallelism ---------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return self.world_size if self.mesh is None else self.mesh["dp"].size()
+
+    def data_parallel_group(self) -> Any:
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    def init_module(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """Under pp: on meta (each rank then initialises only its stage, with the weights of a
+        plain build); else on the device."""
+        if self.settings.pipeline is None or empty_init is False:
+            return super().init_module(empty_init)
+        from accelkit.backends.fsdp import build_context
+
+        return build_context(True, self.device, self.precision, [])
+
+    def _materializer(self, model: torch.nn.Module) -> Any:
+        from accelkit.backends.fsdp import _Materializer
+
+        return _Materializer(model, self.device)
+
+    def _wrap_stage(
+        self, module: torch.nn.Module, activation_checkpointing: Any, compile: Any
+    ) -> torch.nn.Module:
+        """One pipeline stage: on the device, replicated over the stage's dp ranks."""
+        if compile:
+            raise ConfigError(f"{self.name}: compile=True is not supported with pp > 1 yet")
+        module = self.prepare_module(module, activation_checkpointing)
+        if self.mesh["dp"].size() == 1:
+            return module
+        ddp = DistributedDataParallel(
+            module, process_group=self.mesh["dp"].get_group(), **self.ddp_kwargs()
+        )
+        self.on_wrapped(ddp)
+        return ddp
+
+    def grad_norm(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+    ) -> torch.Tensor:
+        """Under pp: the norm over every stage's gradients."""
+        if not isinstance(model, PipelinedModule):
+            return super().grad_norm(model, optimizer, max_norm)
+        return self.pipeline_grad_norm(
+            model,
+            optimizer,
+            max_norm,
+            lambda opt, _: super(DDPBackend, self).grad_norm(None, opt, None),
+            torch.nn.utils.clip_grads_with_norm_,
+        )
+
+    def optimizer_step(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """Under pp, a weight tied across stages gets its gradients summed first."""
+        self.sum_tied_grads(model)
+        return super().optimizer_step(model, optimizer, **kwargs)
 
     def ddp_kwargs(self) -> dict[str, Any]:
         """Hook: the keyword arguments of ``DistributedDataParallel``, from the

@@ -39,6 +39,12 @@ from accelkit.backends.mesh import (
     resolve_plan,
     resolve_shape,
 )
+from accelkit.backends.pipelining import (
+    PassThrough,
+    PipelinedModule,
+    PipelineParallel,
+    optimizer_slots,
+)
 from accelkit.errors import ConfigError
 from accelkit.float8 import Float8Options
 from accelkit.modules import (
@@ -47,6 +53,7 @@ from accelkit.modules import (
     compile_in_place,
     wrap_blocks,
 )
+from accelkit.pipeline import ZERO_BUBBLE
 from accelkit.precision import (
     NATIVE_PRECISIONS,
     DtypeRow,
@@ -270,6 +277,47 @@ def keeps_built_value(module: torch.nn.Module, param: torch.Tensor) -> bool:
     return param.dim() <= 1 and not _has_reset(module)
 
 
+@contextlib.contextmanager
+def build_context(
+    meta: bool, device: torch.device, precision: Any, created: list[torch.nn.Parameter]
+) -> Iterator[None]:
+    """Where ``init_module()`` builds: on meta (``meta``), or on ``device``; in the precision's
+    build dtype. A meta build keeps buffers and the 1-D parameters of modules without
+    ``reset_parameters()`` real (:func:`keeps_built_value`). ``created`` receives every
+    parameter built (the meta ones included)."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    def register(module: torch.nn.Module, name: str, param: Any) -> Any:
+        if param is None:
+            return None
+        if (
+            meta
+            and not param.is_meta
+            and type(param) is torch.nn.Parameter
+            and not keeps_built_value(module, param)
+        ):
+            # built on the CPU by its constructor (torch.empty: no memory is touched) and
+            # moved to meta as it is registered, before the constructor initialises it
+            on_meta = torch.nn.Parameter(
+                param.detach().to("meta"), requires_grad=param.requires_grad
+            )
+            on_meta.__dict__.update(param.__dict__)
+            created.append(on_meta)
+            return on_meta
+        created.append(param)
+        return None
+
+    handle = register_module_parameter_registration_hook(register)
+    try:
+        with contextlib.ExitStack() as stack:
+            if not meta:
+                stack.enter_context(device)
+            stack.enter_context(precision.init_context())
+            yield
+    finally:
+        handle.remove()
+
+
 class _Materializer:
     """Brings a meta-built model onto the device one module at a time, in module order, so
     each unit can be sharded before the next is allocated.
@@ -435,8 +483,10 @@ class _Materializer:
 
 
 # ---- the backend ----------------------------------------------------------------------------
-class FSDPBackend(DistributedBackend):
-    """torch FSDP2: parameters, gradients and optimizer state sharded across ranks."""
+class FSDPBackend(PipelineParallel, DistributedBackend):
+    """torch FSDP2: parameters, gradients and optimizer state sharded across ranks; with
+    ``pp > 1``, each pipeline stage sharded over its data-parallel ranks
+    (:mod:`accelkit.backends.pipelining`)."""
 
     capabilities = Capabilities(
         controls_precision=True,
@@ -449,6 +499,7 @@ class FSDPBackend(DistributedBackend):
         offload=True,
         init_context="meta",
         precisions=NATIVE_PRECISIONS,
+        pipeline_schedules=PipelineParallel.PIPELINE_SCHEDULES,
     )
     options_class = FSDPOptions
     dtype_table = FSDP_DTYPES
@@ -472,7 +523,20 @@ class FSDPBackend(DistributedBackend):
     def launch(self) -> None:
         super().launch()
         o = self.options
-        self.mesh_shape = resolve_shape(self.world_size, o.dp_replicate, o.dp_shard, o.tp)
+        pipeline = self.settings.pipeline
+        self.mesh_shape = resolve_shape(
+            self.world_size, o.dp_replicate, o.dp_shard, o.tp, pipeline.pp if pipeline else 1
+        )
+        if pipeline is not None:
+            self.check_pipeline_settings()
+            if pipeline.schedule in ZERO_BUBBLE and o.reshard_after_forward not in (None, False):
+                raise ConfigError(
+                    f"fsdp: the {pipeline.schedule} schedule with reshard_after_forward="
+                    f"{o.reshard_after_forward!r} gives wrong gradients (measured 2e-2 to 6e-2 "
+                    "off a one-process run with torch 2.13: the split backward's weight part "
+                    "runs on resharded parameters); leave reshard_after_forward out (False "
+                    "under pp) or pick GPipe / 1F1B / Interleaved1F1B"
+                )
         if self.settings.precision == "fp8-mixed" and self.mesh_shape.tp > 1:
             raise ConfigError(
                 "fsdp: precision 'fp8-mixed' with tensor parallelism (tp > 1) is not supported: "
@@ -507,39 +571,9 @@ class FSDPBackend(DistributedBackend):
 
     @contextlib.contextmanager
     def _build_context(self, meta: bool) -> Iterator[None]:
-        from torch.nn.modules.module import register_module_parameter_registration_hook
-
         created: list[torch.nn.Parameter] = []
-
-        def register(module: torch.nn.Module, name: str, param: Any) -> Any:
-            if param is None:
-                return None
-            if (
-                meta
-                and not param.is_meta
-                and type(param) is torch.nn.Parameter
-                and not keeps_built_value(module, param)
-            ):
-                # built on the CPU by its constructor (torch.empty: no memory is touched) and
-                # moved to meta as it is registered, before the constructor initialises it
-                on_meta = torch.nn.Parameter(
-                    param.detach().to("meta"), requires_grad=param.requires_grad
-                )
-                on_meta.__dict__.update(param.__dict__)
-                created.append(on_meta)
-                return on_meta
-            created.append(param)
-            return None
-
-        handle = register_module_parameter_registration_hook(register)
-        try:
-            with contextlib.ExitStack() as stack:
-                if not meta:
-                    stack.enter_context(self.device)
-                stack.enter_context(self.precision.init_context())
-                yield
-        finally:
-            handle.remove()
+        with build_context(meta, self.device, self.precision, created):
+            yield
         for param in created:
             if param.is_meta:
                 self._meta_versions[id(param)] = (weakref.ref(param), param._version)
@@ -575,6 +609,13 @@ class FSDPBackend(DistributedBackend):
 
         if isinstance(model, FSDPModule):
             raise ConfigError("fsdp: this model is already sharded; pass the original module")
+        if self.settings.pipeline is not None and not self._in_stage:
+            return self.setup_pipeline(
+                model,
+                optimizers,
+                compile=compile,
+                activation_checkpointing=activation_checkpointing,
+            )
         slots = self._optimizer_slots(model, optimizers)
         self._refuse_meta_writes(model)
         # before the materializer indexes the modules: fp8-mixed swaps Linear layers for new ones
@@ -607,6 +648,10 @@ class FSDPBackend(DistributedBackend):
         )
         if o.reshard_after_forward is not None:  # else FSDP2's own default
             shard_kwargs["reshard_after_forward"] = o.reshard_after_forward
+        elif self.settings.pipeline is not None:
+            # under pp: each stage's parameters are used again by every micro-batch's backward
+            # (and the zero-bubble schedules' weight part is wrong on resharded ones)
+            shard_kwargs["reshard_after_forward"] = False
         unit_ids = {id(b) for b in blocks}
         seen: set[int] = set()
         # The optimizer must not keep the unsharded tensors alive while we shard.
@@ -654,6 +699,31 @@ class FSDPBackend(DistributedBackend):
         )
         return SetupResult(model, optimizers)
 
+    #: inside setup_pipeline's wrapping of one stage (setup then shards that stage alone)
+    _in_stage = False
+
+    def _wrap_stage(
+        self, module: torch.nn.Module, activation_checkpointing: Any, compile: Any
+    ) -> torch.nn.Module:
+        """One pipeline stage: the tensor-parallel plan, checkpointing, ``fully_shard`` over
+        the stage's data-parallel ranks, as ``setup`` does for a whole model."""
+        self._in_stage = True
+        try:
+            return self.setup(
+                module, [], compile=compile, activation_checkpointing=activation_checkpointing
+            ).model
+        finally:
+            self._in_stage = False
+
+    def _materializer(self, model: torch.nn.Module) -> _Materializer:
+        self._refuse_meta_writes(model)
+        return _Materializer(model, self.device)
+
+    def optimizer_step(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """Under pp, a weight tied across stages gets its gradients summed first."""
+        self.sum_tied_grads(model)
+        return super().optimizer_step(model, optimizer, **kwargs)
+
     def on_wrapped(self, model: torch.nn.Module) -> None:
         """Hook: runs in ``setup`` once ``fully_shard`` sharded every unit and the root and the
         optimizers hold the sharded parameters, before ``compile``; gets the root FSDP module,
@@ -668,9 +738,11 @@ class FSDPBackend(DistributedBackend):
         the same seed built on the CPU."""
         if self.mesh is None or self.mesh_shape.tp == 1:
             return {}
-        plan = resolve_plan(model, self.options.tp_plan)
-        check_plan(model, plan, self.mesh_shape.tp)
+        # one pipeline stage holds part of the model: entries for the others match nothing
+        plan = resolve_plan(model, self.options.tp_plan, missing_ok=self._in_stage)
         modules = dict(model.named_modules())
+        plan = {n: st for n, st in plan.items() if not isinstance(modules[n], PassThrough)}
+        check_plan(model, plan, self.mesh_shape.tp)
         return {id(modules[name]): style for name, style in plan.items()}
 
     @staticmethod
@@ -678,28 +750,7 @@ class FSDPBackend(DistributedBackend):
         model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> list[list[list[str]]]:
         """The parameter names of every optimizer's groups; refuses what cannot be swapped."""
-        names = {id(p): n for n, p in model.named_parameters()}
-        slots = []
-        for optimizer in optimizers:
-            if len(optimizer.state):
-                raise ConfigError(
-                    "fsdp: the optimizer already has state (it has stepped, or state was "
-                    "loaded). Sharding replaces the parameters, and that state would not follow. "
-                    "Pass a fresh optimizer to setup(), and load optimizer state after setup "
-                    "with accel.load()."
-                )
-            groups = []
-            for group in optimizer.param_groups:
-                unknown = [p for p in group["params"] if id(p) not in names]
-                if unknown:
-                    raise ConfigError(
-                        f"fsdp: the optimizer holds {len(unknown)} parameter(s) that are not in "
-                        "the model passed to setup(); build the optimizer from "
-                        "model.parameters() of that model"
-                    )
-                groups.append([names[id(p)] for p in group["params"]])
-            slots.append(groups)
-        return slots
+        return optimizer_slots(model, optimizers, "fsdp")
 
     # ---- the training step --------------------------------------------------------------------
     def end_step(self) -> None:
@@ -735,9 +786,18 @@ class FSDPBackend(DistributedBackend):
         optimizer: torch.optim.Optimizer,
         max_norm: float | None,
     ) -> torch.Tensor:
-        """Total norm over the sharded gradients (a plain 0-d tensor, equal on every rank)."""
+        """Total norm over the sharded gradients (a plain 0-d tensor, equal on every rank);
+        under pp, over every stage's."""
         from torch.distributed.tensor import DTensor
 
+        if isinstance(model, PipelinedModule):
+            return self.pipeline_grad_norm(
+                model,
+                optimizer,
+                max_norm,
+                lambda opt, _: self.grad_norm(None, opt, None),
+                self._clip_with,
+            )
         params = [
             p for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         ]
@@ -751,13 +811,19 @@ class FSDPBackend(DistributedBackend):
         if local:
             parts.append(torch.nn.utils.get_total_norm(local).to(self.device))
         total = parts[0] if len(parts) == 1 else torch.stack([p.float() for p in parts]).norm()
-        if max_norm is not None:  # one foreach per mesh: DTensor ops cannot mix meshes
-            groups: dict[Any, list[torch.Tensor]] = {}
-            for p in params:
-                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-            for group in groups.values():
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        if max_norm is not None:
+            self._clip_with(params, max_norm, total)
         return total
+
+    @staticmethod
+    def _clip_with(params: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+        """Clip to ``max_norm`` given the total norm: one foreach per mesh (DTensor ops cannot
+        mix meshes)."""
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
     def _sharded_norm(self, grads: list[Any], via_dtensor: bool | None = None) -> torch.Tensor:
         """2-norm of DTensor gradients, as a plain tensor on this rank's device.
@@ -793,8 +859,9 @@ class FSDPBackend(DistributedBackend):
         return squared.sqrt().to(local.dtype)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 shards in place: the module is the user's own (its class gains FSDPModule)."""
-        return model
+        """FSDP2 shards in place: the module is the user's own (its class gains FSDPModule);
+        under pp, this rank's part of it."""
+        return model.module if isinstance(model, PipelinedModule) else model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter and buffer unsharded, on every rank: an all-gather per tensor (the

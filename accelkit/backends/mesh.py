@@ -43,6 +43,8 @@ class MeshShape:
     dp_replicate: int
     dp_shard: int
     tp: int
+    #: pipeline stages (``pp``), the outermost dimension
+    pp: int = 1
 
     @property
     def dp(self) -> int:
@@ -51,13 +53,26 @@ class MeshShape:
     @property
     def is_flat(self) -> bool:
         """One dimension of sharding only: accelkit's plain ``fsdp``."""
-        return self.dp_replicate == 1 and self.tp == 1
+        return self.dp_replicate == 1 and self.tp == 1 and self.pp == 1
 
 
 def resolve_shape(
-    world: int, dp_replicate: int | None, dp_shard: int | None, tp: int | None
+    world: int,
+    dp_replicate: int | None,
+    dp_shard: int | None,
+    tp: int | None,
+    pp: int = 1,
 ) -> MeshShape:
-    """The mesh shape for ``world`` ranks, inferring what was left out."""
+    """The mesh shape for ``world`` ranks, inferring what was left out (``pp`` stages each
+    take ``world / pp`` ranks)."""
+    if world % pp:
+        raise ConfigError(
+            f"{world} ranks cannot be split into pp={pp} pipeline stages (the world size is not a "
+            f"multiple of {pp}); launch a multiple of {pp} processes or change pp"
+        )
+    if pp > 1:
+        inner = resolve_shape(world // pp, dp_replicate, dp_shard, tp)
+        return MeshShape(inner.dp_replicate, inner.dp_shard, inner.tp, pp)
     given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
     for name, value in given.items():
         if value is not None and (
@@ -84,14 +99,16 @@ def resolve_shape(
 
 
 def build_mesh(device_type: str, shape: MeshShape) -> Any:
-    """The ``(dp_replicate, dp_shard, tp)`` mesh with a flattened ``dp`` dimension."""
+    """The ``(dp_replicate, dp_shard, tp)`` mesh with a flattened ``dp`` dimension, with
+    ``pp`` outermost under pipeline parallelism (stages across nodes, tensor parallelism
+    inside one)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(
-        device_type,
-        (shape.dp_replicate, shape.dp_shard, shape.tp),
-        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
-    )
+    dims = (shape.dp_replicate, shape.dp_shard, shape.tp)
+    names: tuple[str, ...] = ("dp_replicate", "dp_shard", "tp")
+    if shape.pp > 1:
+        dims, names = (shape.pp, *dims), ("pp", *names)
+    mesh = init_device_mesh(device_type, dims, mesh_dim_names=names)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return mesh
 
@@ -164,8 +181,9 @@ def transformer_plan(model: torch.nn.Module) -> dict[str, Any]:
     return plan
 
 
-def resolve_plan(model: torch.nn.Module, plan: Any) -> dict[str, Any]:
-    """The plan as ``{module name: ParallelStyle}``: patterns expanded, each one matching."""
+def resolve_plan(model: torch.nn.Module, plan: Any, missing_ok: bool = False) -> dict[str, Any]:
+    """The plan as ``{module name: ParallelStyle}``: patterns expanded, each one matching
+    (``missing_ok``: a pipeline stage, which holds part of the model)."""
     if plan is None:
         raise ConfigError(
             "fsdp: tp > 1 needs a tensor-parallel plan: tp_plan='auto' (the common transformer "
@@ -173,6 +191,8 @@ def resolve_plan(model: torch.nn.Module, plan: Any) -> dict[str, Any]:
             "SequenceParallel() / PrepareModuleInput(...)}"
         )
     if plan == "auto":
+        if missing_ok and not auto_plan_kinds(model):
+            return {}
         return transformer_plan(model)
     if not isinstance(plan, dict):
         raise ConfigError(f"fsdp: tp_plan must be 'auto' or a dict, got {type(plan).__name__}")
@@ -180,7 +200,7 @@ def resolve_plan(model: torch.nn.Module, plan: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pattern, style in plan.items():
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not matched:
+        if not matched and not missing_ok:
             raise ConfigError(f"fsdp: tp_plan entry {pattern!r} matches no module of the model")
         for name in matched:
             out[name] = style

@@ -38,6 +38,8 @@ def user_module(model: torch.nn.Module, backend: Any = None) -> torch.nn.Module:
             inner = inner.module
         elif type(inner).__name__ == "OptimizedModule" and hasattr(inner, "_orig_mod"):
             inner = inner._orig_mod
+        elif getattr(inner, "holds_pipeline_stages", False):  # pp > 1: this rank's part
+            inner = inner.module
         else:
             break
     if backend is not None:

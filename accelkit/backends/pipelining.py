@@ -1,0 +1,750 @@
+"""Pipeline parallelism on the torch-native backends (``fsdp``, ``ddp``) through
+``torch.distributed.pipelining``: the split, the initialisation, the stages and the schedule.
+
+What accelkit adds to torch's pipelining (docs/pipeline.md):
+
+- the split keeps the unsplit model's names: each stage is a structural copy of the user's model
+  holding only its own modules (containers keep their keys; a module held elsewhere becomes a
+  pass-through), so checkpoints are keyed as without a pipeline;
+- the same initial weights at every stage count: the model is built on meta, then every
+  module's initialisation is replayed in module order on every rank (drawing the random numbers
+  a plain build draws), each rank keeping only its stage's modules;
+- the loss arithmetic: each micro-batch loss is divided once, by micro-batches x accumulation
+  steps, and torch's schedules run with ``scale_grads=False`` (their own scaling divides the
+  gradients of the window's earlier calls again);
+- the loss of the step on every rank, a clipping norm over every stage, and weights tied across
+  stages (an embedding and its output layer) kept equal with their gradients summed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelkit.errors import ConfigError, UnsupportedError
+from accelkit.pipeline import V_SHAPED, PipelineSettings, split_microbatches
+
+log = logging.getLogger("accelkit")
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+# ---- the split ------------------------------------------------------------------------------
+def _param_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _block_container(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The outermost ModuleList / ModuleDict / Sequential holding parameters (the model's stack
+    of blocks), the root itself when it is one."""
+    for name, module in model.named_modules():
+        if isinstance(module, _CONTAINERS) and _param_count(module) > 0:
+            return name, module
+    return None
+
+
+def _balanced_cuts(weights: list[int], stages: int, head: int, tail: int) -> list[int]:
+    """Contiguous split of ``weights`` into ``stages`` non-empty runs minimising the heaviest
+    stage, the first stage carrying ``head`` more and the last ``tail`` more; returns the run
+    lengths. Dynamic programming over (blocks, stages): the block counts are small."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[s][i]: the lightest heaviest-stage for the first i blocks on s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                load = prefix[i] - prefix[j] + (head if s == 1 else 0)
+                load += tail if s == stages else 0
+                cost = max(best[s - 1][j], load)
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    sizes, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]
+
+
+def _path_children(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """The modules before and after ``path`` at every level from the root down to it (in
+    registration order): the first stage takes those before, the last those after."""
+    before, after = [], []
+    parts = path.split(".") if path else []
+    module, prefix = model, ""
+    for part in parts:
+        names = list(module._modules)
+        index = names.index(part)
+        before += [prefix + n for n in names[:index] if module._modules[n] is not None]
+        after = [prefix + n for n in names[index + 1 :] if module._modules[n] is not None] + after
+        module = module._modules[part]
+        prefix += part + "."
+    return before, after
+
+
+def _expand(name: str, modules: dict[str, nn.Module]) -> list[str]:
+    """``layers.0-3`` -> ``layers.0 ... layers.3`` (a range of a container's keys)."""
+    match = re.fullmatch(r"(.*?)(\d+)-(\d+)", name)
+    if match and name not in modules:
+        prefix, first, last = match.group(1), int(match.group(2)), int(match.group(3))
+        return [f"{prefix}{i}" for i in range(first, last + 1)]
+    return [name]
+
+
+def plan_stages(model: nn.Module, settings: PipelineSettings) -> list[list[str]]:
+    """The module names each stage holds, in stage order, from ``settings.split``."""
+    stages = settings.stages
+    split = settings.split
+    modules = dict(model.named_modules())
+    if split == "auto":
+        found = _block_container(model)
+        if found is None:
+            raise ConfigError(
+                "pipeline: split='auto' found no ModuleList, ModuleDict or Sequential of blocks "
+                "in the model; pass split as a list of module-name lists (one per stage) or as "
+                "split points {'name': 'begin'}"
+            )
+        path, container = found
+        prefix = f"{path}." if path else ""
+        blocks = [prefix + k for k, v in container._modules.items() if v is not None]
+        if len(blocks) < stages:
+            raise ConfigError(
+                f"pipeline: split='auto' found {len(blocks)} blocks in {path or 'the model'}, "
+                f"fewer than the {stages} stages; lower pp (or stages_per_rank), or split by "
+                "names"
+            )
+        before, after = _path_children(model, path)
+        head = sum(_param_count(modules[n]) for n in before)
+        tail = sum(_param_count(modules[n]) for n in after)
+        sizes = _balanced_cuts([_param_count(modules[b]) for b in blocks], stages, head, tail)
+        out, start = [], 0
+        for size in sizes:
+            out.append(blocks[start : start + size])
+            start += size
+        out[0] = before + out[0]
+        out[-1] = out[-1] + after
+        return out
+    if isinstance(split, dict):
+        return _split_at_points(model, split, stages)
+    out = [[n for name in names for n in _expand(name, modules)] for names in split]
+    unknown = [n for names in out for n in names if n not in modules]
+    if unknown:
+        raise ConfigError(f"pipeline: split names modules the model does not have: {unknown}")
+    return out
+
+
+def _split_at_points(model: nn.Module, points: dict[str, str], stages: int) -> list[list[str]]:
+    """Cut the model's modules, in registration order, before (``begin``) or after (``end``)
+    each named module; a module whose name is a prefix of a split point is opened up."""
+    modules = dict(model.named_modules())
+    unknown = [p for p in points if p not in modules]
+    if unknown:
+        raise ConfigError(f"pipeline: split points name modules the model does not have: {unknown}")
+
+    def units(module: nn.Module, prefix: str) -> list[str]:
+        out = []
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            full = prefix + name
+            if any(p.startswith(full + ".") for p in points):
+                out += units(child, full + ".")
+            else:
+                out.append(full)
+        return out
+
+    order = units(model, "")
+    result: list[list[str]] = [[]]
+    for name in order:
+        if points.get(name) == "begin" and result[-1]:
+            result.append([])
+        result[-1].append(name)
+        if points.get(name) == "end":
+            result.append([])
+    result = [r for r in result if r]
+    if len(result) != stages:
+        raise ConfigError(
+            f"pipeline: the split points cut the model into {len(result)} stages, not {stages}"
+        )
+    return result
+
+
+def check_cover(model: nn.Module, plan: list[list[str]]) -> None:
+    """Every module with parameters is held by exactly one stage."""
+    modules = dict(model.named_modules())
+    owner: dict[int, int] = {}
+    for stage, names in enumerate(plan):
+        for name in names:
+            for sub in modules[name].modules():
+                if id(sub) in owner and owner[id(sub)] != stage:
+                    raise ConfigError(
+                        f"pipeline: module {name} is in stages {owner[id(sub)]} and {stage}; "
+                        "each module belongs to one stage"
+                    )
+                owner[id(sub)] = stage
+    missing = [
+        name
+        for name, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False)) and id(module) not in owner and name
+    ]
+    if missing:
+        raise ConfigError(
+            f"pipeline: the split leaves modules with parameters on no stage: {missing[:6]}"
+        )
+
+
+class PassThrough(nn.Module):
+    """Stands for a module another stage holds: returns its first input unchanged, so the
+    model's own forward runs on every stage."""
+
+    def forward(self, x: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+def prune(model: nn.Module, keep: list[str], root_params: bool) -> nn.Module:
+    """A structural copy of ``model`` holding the modules named in ``keep`` (the same objects)
+    under their names; containers drop the other keys, other modules become
+    :class:`PassThrough`. The root's (and the path's) own parameters stay when ``root_params``
+    (the first stage); buffers stay everywhere."""
+    kept = set(keep)
+
+    def on_path(name: str) -> bool:
+        return any(k == name or k.startswith(name + ".") for k in kept) or name == ""
+
+    def copy_of(module: nn.Module, prefix: str) -> nn.Module:
+        new = copy.copy(module)
+        new._modules = {}
+        new._parameters = dict(module._parameters) if root_params else {}
+        new._buffers = dict(module._buffers)
+        for name, child in module._modules.items():
+            full = prefix + name
+            if child is None:
+                new._modules[name] = None
+            elif full in kept:
+                new._modules[name] = child
+            elif on_path(full):
+                new._modules[name] = copy_of(child, full + ".")
+            elif not isinstance(module, _CONTAINERS):
+                new._modules[name] = PassThrough()
+        return new
+
+    return copy_of(model, "")
+
+
+# ---- initialisation ------------------------------------------------------------------------
+def replay_init(model: nn.Module, keep: set[str], materializer: Any) -> None:
+    """Give the modules in ``keep`` (whole subtrees) the weights a plain build draws: every
+    module's initialisation runs in module order on this rank (the random stream advances as in
+    a plain build), and the modules of other stages go back to meta as soon as they are done
+    (those sharing a parameter with a kept module at the end). ``materializer`` is the fsdp
+    backend's (``reset_parameters`` and a Transformers model's ``_init_weights``); peak memory
+    is the kept modules plus one module."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def kept(name: str) -> bool:
+        return any(name == k or name.startswith(k + ".") for k in keep)
+
+    def on_path(name: str) -> bool:
+        return name == "" or any(k.startswith(name + ".") for k in keep)
+
+    # modules tied to a kept module: their value is the kept one's, so they go last
+    late_ids = {
+        id(m)
+        for group in materializer.ties
+        if any(kept(names[id(member)]) for member, _ in group)
+        for m, _ in group
+    }
+    late: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        materializer.materialize(module)
+        for child in module.children():
+            visit(child)
+        materializer.finish(module)
+        materializer.retie()
+        name = names[id(module)]
+        if kept(name) or on_path(name):
+            return
+        if any(id(sub) in late_ids for sub in module.modules()):
+            late.append(module)
+        else:
+            module.to("meta")
+
+    visit(model)
+    materializer.verify()
+    held = {id(p) for n, m in model.named_modules() if kept(n) for p in m.parameters(recurse=False)}
+    for module in late:
+        for sub in module.modules():
+            for pname, p in list(sub._parameters.items()):
+                if p is not None and id(p) not in held:
+                    sub._parameters[pname] = nn.Parameter(p.detach().to("meta"), p.requires_grad)
+
+
+# ---- tied weights across stages -----------------------------------------------------------
+@dataclass
+class CrossStageTie:
+    """One parameter that modules of several pipeline ranks share (an embedding and its output
+    layer): the canonical name (the first in module order), this rank's name for it, and the
+    group of the ranks holding it at this rank's data-parallel position."""
+
+    canonical: str
+    local: str | None
+    group: Any = None
+    first_holder: bool = False
+
+
+def cross_stage_ties(
+    model: nn.Module, plan: list[list[str]], settings: PipelineSettings, pp_rank: int
+) -> list[tuple[str, list[str], list[int]]]:
+    """``(canonical name, member names, pipeline ranks holding it)`` for each parameter that
+    modules of more than one pipeline rank share."""
+    stage_of: dict[str, int] = {}
+    for stage, names in enumerate(plan):
+        for name in names:
+            stage_of[name] = stage
+
+    def stage_holding(module_name: str) -> int | None:
+        best = None
+        for name, stage in stage_of.items():
+            if module_name == name or module_name.startswith(name + "."):
+                best = stage
+        return best
+
+    groups: dict[int, list[str]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                groups.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    out = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        ranks = sorted(
+            {
+                settings.rank_of_stage(s)
+                for m in members
+                if (s := stage_holding(m.rsplit(".", 1)[0] if "." in m else "")) is not None
+            }
+        )
+        if len(ranks) > 1:
+            out.append((members[0], members, ranks))
+    del pp_rank
+    return out
+
+
+# ---- the module setup returns ---------------------------------------------------------------
+class PipelinedModule(nn.Module):
+    """What ``setup`` returns under pipeline parallelism: this rank's part of the model under
+    the unsplit model's names (``.module``). It cannot be called: run the step with
+    ``accel.forward_backward``."""
+
+    #: the checkpoint's user_module() looks through it (accelkit.checkpoint.fqn)
+    holds_pipeline_stages = True
+
+    def __init__(self, local: nn.Module, runner: PipelineRunner) -> None:
+        super().__init__()
+        self.module = local
+        # not a submodule: the stages hold the same modules under wrappers
+        self.__dict__["runner"] = runner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedError(
+            "this model is split into pipeline stages (pp > 1), so no rank can run model(x): "
+            "call `loss = accel.forward_backward(model, x, target=y, loss_fn=...)` for the "
+            "training step (forward, loss and backward over every stage), then accel.step()"
+        )
+
+
+# ---- the schedule -------------------------------------------------------------------------------
+def _schedule_class(name: str) -> Any:
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, "Schedule" + name.replace("ZBVZeroBubble", "ZBVZeroBubble"), None)
+    if cls is None:
+        import torch as _torch
+
+        raise UnsupportedError(
+            f"pipeline: torch {_torch.__version__} has no {name!r} schedule "
+            f"(torch.distributed.pipelining.Schedule{name}); pick another schedule"
+        )
+    return cls
+
+
+@dataclass
+class PipelineRunner:
+    """One rank's pipeline: its stage modules (wrapped for data parallelism), the schedule
+    (built at the first call and again when the micro-batch shapes change), the loss rule."""
+
+    settings: PipelineSettings
+    stage_ids: tuple[int, ...]
+    stage_modules: list[nn.Module]
+    pp_group: Any
+    pp_rank: int
+    device: torch.device
+    accumulation_steps: int
+    scale_loss: Callable[[torch.Tensor], torch.Tensor]
+    forward_context: Callable[[], contextlib.AbstractContextManager]
+    ties: list[CrossStageTie] = field(default_factory=list)
+    _schedules: dict[Any, tuple[Any, list[Any]]] = field(default_factory=dict)
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.settings.stages - 1 in self.stage_ids
+
+    def _schedule(self, key: Any, loss_fn: Callable[..., torch.Tensor]) -> tuple[Any, list[Any]]:
+        from torch.distributed.pipelining import PipelineStage
+
+        entry = self._schedules.get(key)
+        if entry is not None:
+            entry[0]._loss_fn = loss_fn
+            return entry
+        s = self.settings
+        stages = [
+            PipelineStage(m, i, s.stages, self.device, group=self.pp_group)
+            for m, i in zip(self.stage_modules, self.stage_ids)
+        ]
+        cls = _schedule_class(s.schedule)
+        kwargs = dict(n_microbatches=s.microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule = cls(stages[0], **kwargs) if len(stages) == 1 else cls(stages, **kwargs)
+        self._schedules = {key: (schedule, stages)}  # one shape at a time
+        return schedule, stages
+
+    def forward_backward(
+        self,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor] | None,
+    ) -> torch.Tensor:
+        s = self.settings
+        # each piece must be equal: every micro-batch loss is divided by the same count
+        for value in (*inputs, target, *kwargs.values()):
+            split_microbatches(value, s.microbatches, "input" if value is not target else "target")
+        divisor = s.microbatches * self.accumulation_steps
+        # id(what the schedule got) -> the undivided loss; the schedule's shape inference calls
+        # the loss function too, so only the losses it reports back are the step's
+        raw: dict[int, torch.Tensor] = {}
+
+        def loss_of(output: Any, y: Any) -> torch.Tensor:
+            loss = output if loss_fn is None else loss_fn(output, y)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(
+                    "forward_backward: the loss of a micro-batch must be a one-element tensor; "
+                    "pass loss_fn= that reduces the last stage's output to a scalar"
+                )
+            scaled = self.scale_loss(loss / divisor)
+            raw[id(scaled)] = loss.detach().float().reshape(())
+            return scaled
+
+        if target is None:  # torch's last stage wants a target; the loss function ignores it
+            first = next(v for v in (*inputs, *kwargs.values()) if isinstance(v, torch.Tensor))
+            target = torch.zeros(first.shape[0], device=first.device)
+
+        key = tuple(
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+            for v in (*inputs, target, *kwargs.values())
+        )
+        schedule, _ = self._schedule(key, loss_of)
+        args = inputs if self.holds_first else ()
+        losses: list[torch.Tensor] = []
+        with self.forward_context():
+            schedule.step(
+                *args,
+                target=target if self.holds_last else None,
+                losses=losses if self.holds_last else None,
+                return_outputs=False,
+                **kwargs,
+            )
+        mean = (
+            torch.stack([raw[id(loss)] for loss in losses]).mean().to(self.device)
+            if losses
+            else torch.zeros((), device=self.device, dtype=torch.float32)
+        )
+        source = s.rank_of_stage(s.stages - 1)
+        dist.broadcast(mean, group=self.pp_group, group_src=source)
+        return mean
+
+    # ---- the step: tied gradients, the norm over every stage --------------------------------
+    def sum_tied_grads(self, params: dict[str, torch.Tensor]) -> None:
+        """Add up the gradient of each cross-stage tied weight over its holders."""
+        for tie in self.ties:
+            if tie.local is None:
+                continue
+            p = params[tie.local]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=tie.group)
+
+    def duplicate_params(self) -> set[str]:
+        """Local names of tied weights another rank counts in the norm."""
+        return {t.local for t in self.ties if t.local is not None and not t.first_holder}
+
+    def total_norm(self, local_norm: torch.Tensor) -> torch.Tensor:
+        """The 2-norm over every stage from this rank's (over its stage and data parallel
+        peers): squares added over the pipeline group."""
+        squared = local_norm.detach().to(self.device, torch.float32).square()
+        dist.all_reduce(squared, group=self.pp_group)
+        return squared.sqrt()
+
+
+def build_tie_groups(
+    ties: list[tuple[str, list[str], list[int]]],
+    mesh: Any,
+    pp_rank: int,
+    local_names: set[str],
+) -> list[CrossStageTie]:
+    """One process group per tied weight and data-parallel position: the ranks holding the
+    weight along the pipeline dimension. Every rank creates every group, in the same order."""
+    out = []
+    layout = mesh.mesh  # tensor of global ranks, pipeline dimension first
+    me = dist.get_rank()
+    flat = layout.reshape(layout.shape[0], -1)
+    for canonical, members, ranks in ties:
+        mine = None
+        for column in range(flat.shape[1]):
+            group_ranks = [int(flat[r, column]) for r in ranks]
+            group = dist.new_group(group_ranks)
+            if me in group_ranks:
+                mine = group
+        local = next((m for m in members if m in local_names), None)
+        out.append(
+            CrossStageTie(canonical, local, mine, first_holder=bool(ranks and ranks[0] == pp_rank))
+        )
+    return out
+
+
+def optimizer_slots(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], who: str
+) -> list[list[list[str]]]:
+    """The parameter names of every optimizer's groups; refuses what cannot be swapped."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    slots = []
+    for optimizer in optimizers:
+        if len(optimizer.state):
+            raise ConfigError(
+                f"{who}: the optimizer already has state (it has stepped, or state was "
+                "loaded). Sharding replaces the parameters, and that state would not follow. "
+                "Pass a fresh optimizer to setup(), and load optimizer state after setup "
+                "with accel.load()."
+            )
+        groups = []
+        for group in optimizer.param_groups:
+            unknown = [p for p in group["params"] if id(p) not in names]
+            if unknown:
+                raise ConfigError(
+                    f"{who}: the optimizer holds {len(unknown)} parameter(s) that are not in "
+                    "the model passed to setup(); build the optimizer from "
+                    "model.parameters() of that model"
+                )
+            groups.append([names[id(p)] for p in group["params"]])
+        slots.append(groups)
+    return slots
+
+
+def split_optimizers(
+    optimizers: list[torch.optim.Optimizer],
+    slots: list[list[list[str]]],
+    params: dict[str, torch.Tensor],
+) -> None:
+    """Point each optimizer's groups at this rank's parameters, by name (a group may be left
+    empty: the group structure is the same on every stage)."""
+    for optimizer, groups in zip(optimizers, slots):
+        for group, names in zip(optimizer.param_groups, groups):
+            group["params"] = [params[n] for n in names if n in params]
+
+
+def iter_stage_params(modules: list[nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for module in modules:
+        for name, p in module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+
+def check_microbatches_fit(settings: PipelineSettings) -> None:
+    """torch's interleaved schedules run the micro-batches in rounds of ``pp``."""
+    if settings.schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and (
+        settings.microbatches % settings.pp
+    ):
+        raise ConfigError(
+            f"pipeline: {settings.schedule} runs micro-batches in rounds of pp={settings.pp}; "
+            f"microbatches={settings.microbatches} is not a multiple of it"
+        )
+    if settings.schedule in V_SHAPED and settings.microbatches < settings.stages:
+        raise ConfigError(
+            f"pipeline: {settings.schedule} needs at least {settings.stages} micro-batches "
+            f"(2 x pp), got {settings.microbatches}"
+        )
+
+
+# ---- what fsdp and ddp share ------------------------------------------------------------------
+class PipelineParallel:
+    """Mixed into the torch-native backends: ``setup`` under ``pp > 1``, the step's hooks.
+
+    The backend provides ``mesh`` (a DeviceMesh whose first dimension is ``pp``),
+    ``_wrap_stage(module, activation_checkpointing, compile)`` (data parallelism inside a
+    stage: ``fully_shard`` or ``DistributedDataParallel``; returns the module the stage runs)
+    and ``_materializer(model)`` (the meta-build initialiser)."""
+
+    #: the pipeline schedules torch 2.13 offers; a missing class is reported at setup
+    PIPELINE_SCHEDULES = (
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    )
+
+    def check_pipeline_settings(self) -> None:
+        """At launch: what a pipeline cannot run with."""
+        settings = self.settings  # type: ignore[attr-defined]
+        check_microbatches_fit(settings.pipeline)
+        if settings.precision in ("16-mixed", "fp8-mixed"):
+            raise ConfigError(
+                f"pipeline: precision {settings.precision!r} is not supported with pp > 1 "
+                "(16-mixed: each stage's loss scaler would skip steps on its own; fp8-mixed: "
+                "not measured); use 'bf16-mixed' or '32-true'"
+            )
+
+    def setup_pipeline(
+        self,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        compile: Any = False,
+        activation_checkpointing: Any = None,
+    ) -> Any:
+        from accelkit.backend import SetupResult
+
+        backend: Any = self
+        settings: PipelineSettings = backend.settings.pipeline
+        mesh = backend.mesh
+        pp_rank = mesh["pp"].get_local_rank()
+        plan = plan_stages(model, settings)
+        check_cover(model, plan)
+        ids = settings.stage_ids(pp_rank)
+        keep = {n for i in ids for n in plan[i]}
+        slots = optimizer_slots(model, optimizers, backend.name)
+        ties = cross_stage_ties(model, plan, settings, pp_rank)
+        for optimizer in optimizers:  # the full model's parameters must not stay alive
+            for group in optimizer.param_groups:
+                group["params"] = []
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            materializer = backend._materializer(model)
+            materializer.check(model)
+            replay_init(model, keep, materializer)
+        stage_modules = [prune(model, plan[i], root_params=i == 0) for i in ids]
+        runs = [backend._wrap_stage(m, activation_checkpointing, compile) for m in stage_modules]
+        if len(ids) == 1:
+            local = stage_modules[0]
+        else:
+            local = prune(model, sorted(keep), root_params=0 in ids)
+            holder = stage_modules[ids.index(0)] if 0 in ids else stage_modules[0]
+            if 0 in ids:
+                local._parameters = dict(holder._parameters)
+            local._buffers = dict(holder._buffers)
+        params = dict(iter_stage_params([local]))
+        split_optimizers(optimizers, slots, params)
+        runner = PipelineRunner(
+            settings=settings,
+            stage_ids=ids,
+            stage_modules=runs,
+            pp_group=mesh["pp"].get_group(),
+            pp_rank=pp_rank,
+            device=backend.device,
+            accumulation_steps=backend.settings.accumulation_steps,
+            scale_loss=backend.precision.scale_loss,
+            forward_context=backend.forward_context,
+            ties=build_tie_groups(ties, mesh, pp_rank, set(params)),
+        )
+        log.info(
+            "pipeline: rank %d runs stage(s) %s of %d (%s, %d micro-batches): %s",
+            backend.rank,
+            list(ids),
+            settings.stages,
+            settings.schedule,
+            settings.microbatches,
+            "; ".join(", ".join(plan[i][:3]) + (" ..." if len(plan[i]) > 3 else "") for i in ids),
+        )
+        return SetupResult(PipelinedModule(local, runner), optimizers)
+
+    # ---- the step -------------------------------------------------------------------------
+    def pipeline_forward_backward(
+        self,
+        model: nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        target: Any,
+        loss_fn: Any,
+        closes_window: bool,
+    ) -> torch.Tensor:
+        runner = _runner_of(model)
+        if runner is None:
+            raise UnsupportedError(
+                "forward_backward under pp > 1 needs the model setup() returned (a "
+                "PipelinedModule), not the module inside it"
+            )
+        return runner.forward_backward(inputs, kwargs, target, loss_fn)
+
+    def pipeline_grad_norm(
+        self,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | None,
+        stage_norm: Callable[[Any, float | None], torch.Tensor],
+        clip: Callable[[list[torch.Tensor], float, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """The norm over every stage (a cross-stage tied weight counted once), then clipping
+        every local gradient with it. ``stage_norm(optimizer-like, None)`` is the backend's
+        norm over this rank's data-parallel peers."""
+        runner = _runner_of(model)
+        assert runner is not None
+        duplicates = {id(p) for n, p in _named(model) if n in runner.duplicate_params()}
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        counted = [p for p in params if id(p) not in duplicates]
+
+        class _Params:
+            param_groups = [{"params": counted}]
+
+        total = runner.total_norm(stage_norm(_Params(), None))
+        if max_norm is not None and params:
+            clip(params, max_norm, total)
+        return total
+
+    def sum_tied_grads(self, model: nn.Module | None) -> None:
+        runner = _runner_of(model)
+        if runner is not None and runner.ties:
+            runner.sum_tied_grads(dict(_named(model)))
+
+
+def _runner_of(model: nn.Module | None) -> PipelineRunner | None:
+    return getattr(model, "runner", None) if isinstance(model, PipelinedModule) else None
+
+
+def _named(model: nn.Module | None) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(model, PipelinedModule):
+        yield from model.module.named_parameters()

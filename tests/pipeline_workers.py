@@ -1,0 +1,117 @@
+"""The accelkit side of tests/test_pipeline.py: a loop with ``accel.forward_backward`` on
+``fsdp`` or ``ddp`` with ``pp > 1``. The model is defined here again (the reference side,
+tests/pipeline_reference.py, shares nothing with this one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import accelkit
+
+D = 16
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(D, 2 * D)
+        self.down_proj = nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(torch.tanh(self.up_proj(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, n_layers: int = 8, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D if tie else 8, D, bias=False)
+        self.layers = nn.ModuleList(MLP() for _ in range(n_layers))
+        self.head = nn.Linear(D, D if tie else 4, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _dataset(n_batches: int, batch: int, tie: bool) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    width_in, width_out = (D, D) if tie else (8, 4)
+    xs, ys = [], []
+    for _ in range(n_batches):
+        xs.append(torch.randn(batch, width_in, generator=g))
+        ys.append(torch.randn(batch, width_out, generator=g))
+    return torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+
+
+def _params(module: nn.Module) -> dict[str, list[float]]:
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().reshape(-1).tolist()
+    return out
+
+
+def train(
+    *,
+    backend: str,
+    pp: int,
+    pipeline: dict[str, Any],
+    n_batches: int,
+    batch: int,
+    accumulation: int = 1,
+    optimizer: str = "sgd",
+    max_grad_norm: float | None = 1.0,
+    n_layers: int = 8,
+    tie: bool = False,
+    options: dict[str, Any] | None = None,
+    meta: bool = True,
+) -> dict[str, Any]:
+    """``batch`` is one replica's batch; the loader holds ``n_batches`` global batches."""
+    accel = accelkit.get(
+        backend,
+        pp=pp,
+        pipeline=pipeline,
+        accumulation_steps=accumulation,
+        max_grad_norm=max_grad_norm,
+        device="cpu",
+        **(options or {}),
+    )
+    dp = accel.backend.data_parallel_world_size
+    torch.manual_seed(0)
+    with accel.init_module(empty_init=None if meta else False):
+        model = Net(n_layers, tie)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    )
+    model, opt = accel.setup(model, opt)
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_dataset(n_batches, batch * dp, tie), batch_size=batch),
+        shuffle=False,
+    )
+    losses, norms = [], []
+    for x, y in loader:
+        loss = accel.forward_backward(model, x, target=y, loss_fn=nn.functional.mse_loss)
+        losses.append(float(loss))
+        if accel.step() and max_grad_norm is not None:
+            norms.append(float(accel.grad_norm))
+    try:
+        model(x)
+        refused = "no error"
+    except accelkit.UnsupportedError as err:
+        refused = str(err)
+    return {
+        "refused": refused,
+        "losses": losses,
+        "norms": norms,
+        "params": _params(accel.unwrap(model)),
+        "dp": [accel.backend.data_parallel_rank, dp],
+    }
