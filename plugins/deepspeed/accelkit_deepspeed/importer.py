@@ -16,8 +16,14 @@ Weights are written as the fp32 masters (``param``); frozen parameters as stored
 parameter from its group's (``"step_granularity": "group"``). The files are pickles, read only
 under ``trust_pickle`` and then by accelkit's restricted unpickler with the classes DeepSpeed's
 checkpoints hold (:mod:`accelkit_deepspeed.pickles`), memory-mapped; each tensor is assembled
-only when written, so memory stays near one parameter. Tensor or pipeline parallel checkpoints
-(``mp_rank_01``...) are refused.
+only when written, so memory stays near one parameter.
+
+Pipeline checkpoints (a ``PipelineModule`` under ``PipelineEngine``) keep the weights in one file
+per layer, ``layer_XX-model_states.pt``, under the layer's own names; the per-stage files
+(``mp_rank_XX_model_states.pt``) hold no module. Layer ``XX``'s key ``k`` becomes ``XX.k``, the
+name ``PipelineModule`` gives it, which is also the name in ``nn.Sequential`` of the same layers
+(:mod:`accelkit_deepspeed.pipeline_import`). Tensor-parallel checkpoints (``mp_rank_01`` without
+pipeline stages, or layer files with a ``model_XX`` part) are refused.
 """
 
 from __future__ import annotations
@@ -126,7 +132,16 @@ def _name(name: str, strip_prefix: str | None) -> str:
 def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
     """What the checkpoint in ``folder`` holds, as :class:`accelkit.checkpoint.formats.importing.Imported`."""
     from accelkit.sdk import Imported
+    from accelkit_deepspeed import pipeline_import
 
+    if pipeline_import.is_pipeline(folder):
+        tensors, objects = pipeline_import.read(folder, _load, strip_prefix=strip_prefix)
+        stage0 = _load(folder / "mp_rank_00_model_states.pt")
+        extras = _client_state(stage0, objects)
+        steps = stage0.get("global_steps")
+        return Imported(
+            tensors, objects, extras, "import:deepspeed", steps if isinstance(steps, int) else None
+        )
     optim_files = _files(folder, _OPTIM)
     model3_files = _files(folder, _MODEL3)
     main_file = folder / "mp_rank_00_model_states.pt"
@@ -162,6 +177,11 @@ def read(folder: Path, *, strip_prefix: str | None = None) -> Any:
             _stage3(models, optims, tensors, objects, strip_prefix)
         else:
             _stage12(model, optims, tensors, objects, strip_prefix)
+    if not any(obj == "model" for obj, _, _ in tensors):
+        raise CheckpointError(
+            f"{folder}: {model_file.name} holds no module weights and no layer files are there; "
+            "nothing to import (a pipeline checkpoint keeps its weights in layer_XX-model_states.pt)"
+        )
     extras = _client_state(model, objects)
     steps = model.get("global_steps")
     step = steps if isinstance(steps, int) else None
