@@ -68,7 +68,10 @@ def get(
     backend_options = backend_cls.parse_config(name, config, overrides)
     if pipeline is not None:
         _check_pipeline_supported(
-            canonical, pipeline, backend_cls.capabilities_for(backend_options)
+            canonical,
+            pipeline,
+            backend_cls.capabilities_for(backend_options),
+            backend_cls.pipeline_refusal(backend_options),
         )
     settings = Settings(
         precision=backend_cls.parse_precision(name, precision),
@@ -115,9 +118,14 @@ def pipeline_backends() -> list[str]:
     return names
 
 
-def _check_pipeline_supported(name: str, pipeline: PipelineSettings, capabilities: Any) -> None:
-    """Refuse ``pp > 1`` where the backend has no pipeline, or not this schedule."""
+def _check_pipeline_supported(
+    name: str, pipeline: PipelineSettings, capabilities: Any, refusal: str | None = None
+) -> None:
+    """Refuse ``pp > 1`` where the backend has no pipeline, or not this schedule; ``refusal``
+    is the backend's own reason where these options rule its pipeline out."""
     schedules = capabilities.pipeline_schedules
+    if not schedules and refusal:
+        raise ConfigError(f"backend {name!r}: pp={pipeline.pp} cannot run: {refusal}")
     if not schedules:
         others = pipeline_backends()
         raise ConfigError(

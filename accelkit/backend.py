@@ -210,6 +210,13 @@ class Backend:
         return cls.capabilities
 
     @classmethod
+    def pipeline_refusal(cls, options: Any) -> str | None:
+        """Hook: why these options rule out pipeline parallelism (``accelkit.get`` shows it when
+        :meth:`capabilities_for` lists no ``pipeline_schedules`` and ``pp > 1``), or None for
+        the generic refusal. Gets the parsed options."""
+        return None
+
+    @classmethod
     def select_backend(cls) -> str | None:
         """Hook: the name of another backend to build instead of this one, or None.
 

@@ -15,6 +15,10 @@ How accelkit's loop maps onto the engine:
   records none (ZeRO-0 without its bf16/fp16 optimizer), and divided by the GradScaler's scale
   under 16-mixed, where DeepSpeed reports the scaled norm.
 
+Pipeline parallelism (``pp > 1``): ``setup`` builds DeepSpeed's ``PipelineEngine`` over the
+stage of an ``nn.Sequential`` and ``accel.forward_backward`` runs ``train_batch``
+(:mod:`accelkit_deepspeed.pipeline` says how the loop maps and what is refused).
+
 Several models: each ``setup()`` builds its own engine (DeepSpeed trains one model and one
 optimizer per engine, as DeepSpeed-Chat's actor/critic do). The backend finds the engine of each
 call from what the Accelerator passes: the model of ``backward(loss, model=...)``, the model and
@@ -46,6 +50,7 @@ from accelkit.sdk import (
     apply_activation_checkpointing,
 )
 from accelkit_deepspeed import config as dsconfig
+from accelkit_deepspeed import pipeline as dspipe
 from accelkit_deepspeed import zero_init
 
 #: the FutureWarnings torch gives for the collectives DeepSpeed calls (see _import_deepspeed)
@@ -65,6 +70,13 @@ class _EngineRecord:
     trains: bool
     #: DeepSpeed's managed_gradient_accumulation (False: step() is the boundary itself)
     managed: bool
+    #: a PipelineEngine (``pp > 1``): train_batch steps the optimizer itself
+    pipeline: bool = False
+    #: the pipeline's loss slot and the last micro-batch shapes (PipelineEngine caches them)
+    loss_slot: Any = None
+    shapes: Any = None
+    #: the gradient norm measured inside the last train_batch (ZeRO-0, where DeepSpeed has none)
+    norm: torch.Tensor | None = None
 
 
 class DeepSpeedBackend(DistributedBackend):
@@ -82,6 +94,7 @@ class DeepSpeedBackend(DistributedBackend):
         init_context="device",
         compile=False,
         portable_checkpoint=True,
+        pipeline_schedules=dspipe.SCHEDULES,
     )
     options_class = dsconfig.DeepSpeedOptions
     dtype_table = dsconfig.DTYPES
@@ -96,6 +109,19 @@ class DeepSpeedBackend(DistributedBackend):
         precision, steps, max_norm = dsconfig.reconcile(
             name, options, settings.precision, settings.accumulation_steps, settings.max_grad_norm
         )
+        if settings.pipeline is not None:
+            if steps > 1:
+                raise ConfigError(
+                    f"{name} with pp: DeepSpeed's train_batch steps the optimizer after every "
+                    f"batch, so accumulation_steps={steps} cannot hold a window open; raise "
+                    f"pipeline['microbatches'] to {settings.pipeline.microbatches * steps} "
+                    "instead (the same gradient, one forward_backward per step)"
+                )
+            if precision in ("bf16-mixed", "16-mixed"):
+                raise ConfigError(
+                    f"{name} with pp: precision={precision!r} (torch autocast) is not run under "
+                    "DeepSpeed's PipelineEngine by accelkit; use '32-true' or 'bf16-true'"
+                )
         return dataclasses.replace(
             settings, precision=precision, accumulation_steps=steps, max_grad_norm=max_norm
         )
@@ -107,7 +133,14 @@ class DeepSpeedBackend(DistributedBackend):
             cls.capabilities,
             sharded=stage >= 1,
             init_context="zero.Init" if stage == 3 else "device",
+            pipeline_schedules=dspipe.SCHEDULES if stage in dspipe.ZERO_STAGES else (),
         )
+
+    @classmethod
+    def pipeline_refusal(cls, options: Any) -> str | None:
+        if dsconfig.zero_stage(options) not in dspipe.ZERO_STAGES:
+            return dspipe.ZERO_REFUSAL
+        return None
 
     def __init__(self, name: str, options: Any, settings: Settings) -> None:
         super().__init__(name, options, settings)
@@ -232,15 +265,42 @@ class DeepSpeedBackend(DistributedBackend):
                 "16-bit precision the device supports."
             )
 
+    # ---- data parallelism under a pipeline -----------------------------------------------------
+    @property
+    def data_parallel_world_size(self) -> int:
+        """Under ``pp``, the replicas of a stage (DeepSpeed's grid: ``world / pp``)."""
+        pipeline = self.settings.pipeline
+        return self.world_size // pipeline.pp if pipeline is not None else self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Under ``pp``, this rank's replica: DeepSpeed numbers ranks ``stage * dp + replica``."""
+        if self.settings.pipeline is None:
+            return self.rank
+        return self.rank % self.data_parallel_world_size
+
+    def data_parallel_group(self) -> Any:
+        engine = self.engine
+        if self.settings.pipeline is None or engine is None:
+            return None
+        return engine.grid.get_data_parallel_group()
+
     # ---- the DeepSpeed config -------------------------------------------------------------
     def ds_config(self, *, client_optimizer: bool = True) -> dict[str, Any]:
-        """The DeepSpeed config this backend hands to ``deepspeed.initialize`` (and zero.Init)."""
+        """The DeepSpeed config this backend hands to ``deepspeed.initialize`` (and zero.Init).
+        Under ``pp`` DeepSpeed's accumulation is the micro-batches of one ``train_batch``."""
+        pipeline = self.settings.pipeline
+        micro_batch = self._micro_batch or dsconfig.DEFAULT_MICRO_BATCH
+        if pipeline is not None and self._micro_batch:
+            micro_batch = max(1, self._micro_batch // pipeline.microbatches)
         return dsconfig.build_ds_config(
             self.options,
             precision=self.settings.precision or "32-true",
-            accumulation_steps=self.settings.accumulation_steps,
+            accumulation_steps=(
+                pipeline.microbatches if pipeline is not None else self.settings.accumulation_steps
+            ),
             max_grad_norm=self.settings.max_grad_norm,
-            micro_batch=self._micro_batch or dsconfig.DEFAULT_MICRO_BATCH,
+            micro_batch=micro_batch,
             client_optimizer=client_optimizer,
         )
 
@@ -287,6 +347,8 @@ class DeepSpeedBackend(DistributedBackend):
             )
         if compile:
             raise UnsupportedError(f"{self.name}: setup(compile=...) is not supported yet")
+        if self.settings.pipeline is not None:
+            return self._setup_pipeline(model, optimizers, activation_checkpointing)
         if len(optimizers) > 1:
             raise UnsupportedError(
                 f"{self.name}: DeepSpeed trains one optimizer per engine, got {len(optimizers)}"
@@ -343,6 +405,93 @@ class DeepSpeedBackend(DistributedBackend):
         opts = [engine.optimizer] if trains and optimizer is not None else []
         return SetupResult(engine, opts)
 
+    def _setup_pipeline(
+        self, model: torch.nn.Module, optimizers: list[Any], activation_checkpointing: Any
+    ) -> SetupResult:
+        """``pp > 1``: this rank's stage as a PipelineEngine, the optimizer cut to its
+        parameters (hyperparameters and groups kept)."""
+        pipeline = self.settings.pipeline
+        if activation_checkpointing:
+            raise UnsupportedError(
+                f"{self.name} with pp: activation_checkpointing is not mapped onto "
+                "PipelineModule's activation_checkpoint_interval yet"
+            )
+        if len(optimizers) != 1:
+            raise UnsupportedError(
+                f"{self.name} with pp: setup(model, optimizer) with one optimizer (DeepSpeed's "
+                f"train_batch steps it), got {len(optimizers)}"
+            )
+        if self._records:
+            raise UnsupportedError(f"{self.name} with pp: one pipelined model per accelerator")
+        self._import_deepspeed()
+        optimizer = optimizers[0]
+        owned = {id(p) for p in model.parameters()}
+        if any(id(p) not in owned for g in optimizer.param_groups for p in g["params"]):
+            raise ConfigError(
+                f"{self.name}: the optimizer holds parameters that are not this model's; "
+                "build it on model.parameters() of the model passed to setup()"
+            )
+        module, _ = dspipe.build_module(model, pipeline.pp, pipeline.split)
+        local = {id(p) for p in module.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in local]
+        for param in [p for p in optimizer.state if id(p) not in local]:
+            del optimizer.state[param]
+        config = self.ds_config(client_optimizer=True)
+        _forget_other_autocast(config)
+        engine, _ds_optimizer, _, _ = self._deepspeed.initialize(
+            model=module, optimizer=optimizer, config=config
+        )
+        record = _EngineRecord(engine, True, False, pipeline=True, loss_slot=module.loss_fn)
+        original_step = engine._take_model_step
+
+        def take_model_step(lr_kwargs: Any) -> None:
+            # the norm before clipping and stepping, where DeepSpeed records none (ZeRO-0)
+            if self._wants_norm and not _records_norm(engine):
+                record.norm = dspipe.stage_grad_norm(engine)
+            original_step(lr_kwargs)
+
+        engine._take_model_step = take_model_step
+        engine.forward = dspipe.refuse_call  # model(x) names forward_backward
+        self._records.append(record)
+        return SetupResult(engine, [engine.optimizer])
+
+    @property
+    def _wants_norm(self) -> bool:
+        return self.settings.max_grad_norm is not None or self.settings.track_grad_norm
+
+    def pipeline_forward_backward(
+        self,
+        model: torch.nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        target: Any,
+        loss_fn: Any,
+        closes_window: bool,
+    ) -> torch.Tensor:
+        """One ``train_batch`` over the batch cut into ``microbatches``: forward, backward and
+        DeepSpeed's optimizer step; returns this replica's mean micro-batch loss on every
+        stage (DeepSpeed broadcasts it from the last)."""
+        record = self._record_for(model)
+        if not record.pipeline:
+            raise UnsupportedError(f"{self.name}: this model was not set up as a pipeline")
+        engine = record.engine
+        batch = dspipe.micro_batches(
+            tuple(self.convert_input(x) for x in inputs),
+            kwargs,
+            target,
+            self.settings.pipeline.microbatches,
+        )
+        shapes = dspipe.shapes(batch)
+        if record.shapes is not None and shapes != record.shapes:
+            engine.reset_activation_shape()  # PipelineEngine caches its receive buffers
+        record.shapes = shapes
+        record.loss_slot.fn = loss_fn
+        record.norm = None
+        engine.train_batch(iter(batch))
+        return engine.dp_group_loss.detach().to(torch.float32).reshape(())
+
     # ---- the loop -----------------------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the engine's forward runs torch_autocast itself
@@ -382,6 +531,13 @@ class DeepSpeedBackend(DistributedBackend):
     ) -> StepResult:
         engine = self._engine_of_step(model, optimizer)
         want_norm = max_grad_norm is not None or track_grad_norm
+        record = self._record_of(engine)
+        if record is not None and record.pipeline:
+            # train_batch has stepped, clipped and zeroed already: report only
+            if not want_norm:
+                return StepResult(None, None)
+            norm = record.norm if record.norm is not None else engine.get_global_grad_norm()
+            return StepResult(_as_tensor(norm), None)
         scaler = self._grad_scaler(engine)
         scale = getattr(scaler, "_scale", None) if scaler is not None else None
         scale_before = scale.detach().clone() if scale is not None else None
@@ -421,11 +577,12 @@ class DeepSpeedBackend(DistributedBackend):
         return norm / scale.to(norm.device) if scale is not None else norm
 
     def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        engines = [e for e in self.engines if e.optimizer is optimizer]
-        if not engines and len(self._records) == 1:
-            engines = self.engines
-        for engine in engines:
-            engine.zero_grad()
+        records = [r for r in self._records if r.engine.optimizer is optimizer]
+        if not records and len(self._records) == 1:
+            records = self._records
+        for record in records:
+            if not record.pipeline:  # train_batch zeroes its own
+                record.engine.zero_grad()
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         inner = getattr(model, "module", model)

@@ -103,4 +103,72 @@ def train_and_save(stage: int, save_to: str, steps: int = 2) -> dict[str, Any]:
                 value = safe_get_full_optimizer_state(param, key)
             state[f"optimizer/{key}/{name}"] = value.detach().clone()
     torch.save(state, f"{save_to}.rank{dist.get_rank()}.pt")
-    return {"losses": losses, "layers": [module._local_start, module._local_stop]}
+    return {"losses": losses, "layers": [int(module._local_start), int(module._local_stop)]}
+
+
+# ---- the training reference for accelkit's deepspeed pp (test_deepspeed_pipeline.py) ----------
+STEPS = 3
+BATCH = 8
+
+
+def network() -> nn.Sequential:
+    """The same network dsk_pipe_accel builds, written out again: a nested Sequential whose
+    layers, flattened, are DeepSpeed's layers 0..5."""
+    return nn.Sequential(
+        nn.Linear(6, 12),
+        nn.Sequential(Scaled(12), nn.Tanh(), nn.Linear(12, 10)),
+        Scaled(10),
+        nn.Linear(10, 3),
+    )
+
+
+def flat_layers(net: nn.Sequential) -> list[nn.Module]:
+    return [net[0], net[1][0], net[1][1], net[1][2], net[2], net[3]]
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(900 + step)
+    return torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+
+
+def train_pipeline(stage: int, micro: int = MICRO) -> dict[str, Any]:
+    """Raw DeepSpeed: PipelineModule over the network's layers (``partition_method
+    ="parameters"``), ``train_batch`` over each batch cut into ``micro`` pieces, AdamW."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    net = network()
+    module = PipelineModule(
+        layers=flat_layers(net),
+        num_stages=dist.get_world_size(),
+        loss_fn=nn.MSELoss(),
+        partition_method="parameters",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH // micro,
+        "gradient_accumulation_steps": micro,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 2**62,
+    }
+    client = torch.optim.AdamW(module.parameters(), lr=0.02, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=client, config=config)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        losses.append(float(engine.train_batch(iter(zip(x.chunk(micro), y.chunk(micro))))))
+    weights = {}
+    for local, layer in enumerate(module.forward_funcs):
+        for key, value in layer.state_dict().items():
+            weights[f"{local + int(module._local_start)}.{key}"] = value.flatten().tolist()
+    return {
+        "losses": losses,
+        "weights": weights,
+        "layers": [int(module._local_start), int(module._local_stop)],
+    }
