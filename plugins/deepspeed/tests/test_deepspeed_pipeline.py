@@ -82,9 +82,8 @@ def test_what_deepspeeds_pipeline_cannot_do_is_refused(options, match):
 
 
 def test_the_split_becomes_deepspeeds_stage_boundaries():
-    from torch import nn
-
     from accelkit_deepspeed import pipeline
+    from torch import nn
 
     net = nn.Sequential(
         nn.Linear(2, 2), nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)]), nn.Linear(2, 2)
@@ -99,7 +98,7 @@ def test_the_split_becomes_deepspeeds_stage_boundaries():
         pipeline.boundaries([["0", "1"], []], names, 2)
     with pytest.raises(ConfigError, match="consecutive layers"):
         pipeline.boundaries([["0", "2"], ["1"]], names, 2)
-    with pytest.raises(accelkit.sdk.UnsupportedError, match="must be an nn.Sequential"):
+    with pytest.raises(accelkit.sdk.UnsupportedError, match=r"must be an nn\.Sequential"):
         pipeline.layers_of(nn.Linear(2, 2))
     shared = nn.Linear(2, 2)
     with pytest.raises(accelkit.sdk.UnsupportedError, match="same parameter"):
