@@ -286,6 +286,14 @@ class Backend:
     def data_parallel_world_size(self) -> int:
         return self.world_size
 
+    def replica_holders(self) -> tuple[int, int]:
+        """Hook: ``(index, count)`` of this rank among the ranks that hold the same whole
+        (not sharded) tensors of the model and optimizer, so a checkpoint's writes of replicated
+        tensors are spread over the ranks that have them. Runs in ``accel.save()``. The default,
+        ``(rank, world_size)``: every rank holds every replicated tensor; under pipeline
+        parallelism only the ranks of one stage do."""
+        return self.rank, self.world_size
+
     def data_parallel_group(self) -> Any:
         """Hook: the process group of this rank's data-parallel peers, or None for every process.
 

@@ -115,3 +115,90 @@ def train(
         "params": _params(accel.unwrap(model)),
         "dp": [accel.backend.data_parallel_rank, dp],
     }
+
+
+# ---- checkpoints across layouts -----------------------------------------------------------------
+def _gathered(accel: Any, model: Any, opt: Any) -> dict[str, list[float]]:
+    """This rank's weights and optimizer state by unsplit name, gathered with DTensor's own
+    full_tensor (not through the checkpoint)."""
+    local = accel.unwrap(model)
+    out = {}
+    names = {id(p): n for n, p in local.named_parameters()}
+    for n, p in local.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[f"w/{n}"] = full.detach().reshape(-1).tolist()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                    out[f"{key}/{names[id(p)]}"] = full.detach().reshape(-1).float().tolist()
+    out["lr"] = [float(g["lr"]) for g in opt.param_groups]
+    return out
+
+
+def _layout(backend: str, pp: int, options: dict[str, Any]) -> Any:
+    extra = dict(options)
+    if backend != "cpu":
+        extra["device"] = "cpu"
+    if pp > 1:
+        extra.update(pp=pp, pipeline={"schedule": "1F1B", "microbatches": 4})
+    return accelkit.get(backend, max_grad_norm=1.0, **extra)
+
+
+def checkpoint_job(
+    *,
+    backend: str,
+    pp: int,
+    path: str,
+    mode: str,
+    options: dict[str, Any] | None = None,
+    steps: int = 2,
+) -> dict[str, Any]:
+    """``mode="save"``: train ``steps`` batches, save (model, optimizer, loader), report the
+    gathered state, then train one more batch. ``mode="load"``: build, load, report the state,
+    train one more batch. Both report the weights after that batch."""
+    accel = _layout(backend, pp, options or {})
+    torch.manual_seed(0)
+    with accel.init_module():
+        model = Net(8)
+    model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    dp = accel.backend.data_parallel_world_size
+    loader = accel.setup_dataloader(
+        torch.utils.data.DataLoader(_dataset(6, 8, False), batch_size=8 // dp), shuffle=False
+    )
+    state = {"model": model, "optimizer": opt, "loader": loader}
+    batches = iter(loader)
+    if mode == "save":
+        for _ in range(steps):
+            x, y = next(batches)
+            accel.forward_backward(model, x, target=y, loss_fn=nn.functional.mse_loss)
+            accel.step()
+        accel.save(path, state)
+    else:
+        accel.load(path, state)
+        batches = iter(loader)  # the loader resumes after the saved position
+    saved = _gathered(accel, model, opt)
+    x, y = next(batches)
+    loss = accel.forward_backward(model, x, target=y, loss_fn=nn.functional.mse_loss)
+    accel.step()
+    return {
+        "state": saved,
+        "next_loss": float(loss),
+        "next_x": x.reshape(-1).tolist()[:4],
+        "after": _gathered(accel, model, opt),
+        "dp": [accel.backend.data_parallel_rank, dp],
+    }
+
+
+def try_load(*, backend: str, pp: int, path: str, n_layers: int) -> str:
+    """Load into a fresh model of ``n_layers``: the error, or "loaded"."""
+    accel = _layout(backend, pp, {})
+    with accel.init_module():
+        model = Net(n_layers)
+    model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    try:
+        accel.load(path, {"model": model, "optimizer": opt})
+    except accelkit.CheckpointError as err:
+        return str(err)
+    return "loaded"

@@ -127,3 +127,23 @@ def test_split_microbatches_refuses_an_uneven_batch_naming_the_sizes():
     assert parts[1]["b"][1] == 3
     with pytest.raises(ConfigError, match="has 6 samples, which 4 micro-batches"):
         split_microbatches(torch.zeros(6, 2), 4)
+
+
+def test_plan_estimates_each_stage_and_the_bubble():
+    """``accelkit plan --pp 2``: only backends that run pipelines, on gpus/pp GPUs a stage, the
+    heaviest stage's state (half of gpt2-small's, its blocks are small), the 1F1B bubble."""
+    from accelkit.benchmark.planning import PlanRequest, make_plan
+
+    whole = make_plan(PlanRequest("gpt2-small", gpus=4, backends=["fsdp", "ddp", "cpu"]))
+    staged = make_plan(PlanRequest("gpt2-small", gpus=8, pp=2, backends=["fsdp", "ddp", "cpu"]))
+    rows = {c.label: c.estimate for c in staged["candidates"]}
+    assert set(rows) == {"fsdp", "ddp"}  # cpu runs no pipeline
+    base = {c.label: c.estimate for c in whole["candidates"]}
+    for label, row in rows.items():
+        assert row["world_size"] == 8 and row["pp"] == 2
+        assert row["bubble_fraction"] == round(1 / 5, 4)  # (pp-1)/(m+pp-1), m = 2*pp
+        assert abs(row["optimizer"] - base[label]["optimizer"] / 2) <= 1
+        assert row["peak"] < base[label]["peak"]
+        assert row["relative_step_time"] > base[label]["relative_step_time"]
+    with pytest.raises(ValueError, match="must be >= 1 and divide --gpus 3"):
+        make_plan(PlanRequest("gpt2-small", gpus=3, pp=2))

@@ -618,6 +618,15 @@ class PipelineParallel:
         "DualPipeV",
     )
 
+    def replica_holders(self) -> tuple[int, int]:
+        """Under pp only the ranks of one stage hold its tensors (pp is the outermost mesh
+        dimension: a stage's ranks are consecutive)."""
+        backend: Any = self
+        if backend.settings.pipeline is None:
+            return backend.rank, backend.world_size
+        inner = backend.world_size // backend.settings.pipeline.pp
+        return backend.rank % inner, inner
+
     def check_pipeline_settings(self) -> None:
         """At launch: what a pipeline cannot run with."""
         settings = self.settings  # type: ignore[attr-defined]

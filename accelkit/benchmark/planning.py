@@ -35,6 +35,10 @@ class PlanRequest:
     backends: list[str] | None = None
     #: also estimate ``fsdp`` on every (dp_replicate, dp_shard, tp) mesh of the GPUs
     mesh: bool = False
+    #: pipeline stages: each backend that runs pipelines is estimated per stage, on
+    #: ``gpus / pp`` GPUs a stage, with the bubble of ``microbatches`` (default ``2 * pp``)
+    pp: int = 1
+    microbatches: int | None = None
 
 
 @dataclass
@@ -74,6 +78,46 @@ def _offers(spec: Any, precision: str) -> bool:
         return False
 
 
+def pipeline_stage(
+    estimate: dict[str, Any], stats: dict[str, Any], pp: int, microbatches: int
+) -> dict[str, Any]:
+    """A backend's estimate for the whole model on one stage's GPUs, turned into the heaviest
+    stage's under ``pp`` stages of 1F1B: the split balances parameters, so a stage holds
+    ``max(1/pp, largest block / P)`` of the model's state; its activations are those of its
+    layers (1/pp) for up to ``min(pp, m)`` micro-batches of ``1/m`` of the batch in flight
+    (the first stage's count); the step stretches by the bubble ``(pp-1)/(m+pp-1)``."""
+    P = max(1, stats["params"])
+    share = max(1 / pp, min(1.0, stats["largest_block"] / P))
+    in_flight = min(pp, microbatches) / (pp * microbatches)
+    out = dict(estimate)
+    for key in ("params", "grads", "optimizer", "master", "host"):
+        out[key] = int(estimate.get(key, 0) * share)
+    out["activations"] = int(estimate["activations"] * in_flight)
+    state = out["params"] + out["grads"] + out["optimizer"] + out["master"]
+    old_state = sum(estimate.get(k, 0) for k in ("params", "grads", "optimizer", "master"))
+    out["peak"] = int(state + max(0, estimate["peak"] - old_state) * in_flight)
+    bubble = (pp - 1) / (microbatches + pp - 1)
+    out["bubble_fraction"] = round(bubble, 4)
+    out["pp"] = pp
+    out["world_size"] = estimate.get("world_size", 1) * pp
+    out["relative_step_time"] = round(estimate["relative_step_time"] / (1 - bubble), 3)
+    note = f"pp={pp}, {microbatches} micro-batches: bubble {100 * bubble:.0f}% of a step"
+    out["speed_note"] = "; ".join(n for n in (estimate.get("speed_note", ""), note) if n)
+    out["formula"] = (
+        f"stage = {share:.3g} x the model's state, activations x {in_flight:.3g}; "
+        + estimate.get("formula", "")
+    )
+    out.pop("variants", None)
+    return out
+
+
+def _runs_pipelines(spec: Any) -> bool:
+    try:
+        return bool(spec.load_class().capabilities.pipeline_schedules)
+    except Exception:  # a plugin that fails to load runs nothing
+        return False
+
+
 def make_plan(request: PlanRequest) -> dict[str, Any]:
     """The plan as a dict: model figures, one entry per configuration, the recommendation."""
     import torch
@@ -91,8 +135,12 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
     host = registry.host()
     host.ensure_loaded()
     answering = {impl.plugin_name for impl in host.pm.hook.accelkit_estimate_memory.get_hookimpls()}
+    pp = request.pp
+    if pp < 1 or request.gpus % pp:
+        raise ValueError(f"--pp {pp} must be >= 1 and divide --gpus {request.gpus}")
+    microbatches = request.microbatches or 2 * pp
     base_options = {
-        "world_size": request.gpus,
+        "world_size": request.gpus // pp,
         "precision": request.precision,
         "optimizer": request.optimizer,
         "device_type": "cuda",
@@ -111,6 +159,8 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             continue
         if not _offers(spec, request.precision):
             continue  # fp8-mixed: the estimators know the five standard strings only
+        if pp > 1 and not _runs_pipelines(spec):
+            continue
         note = ""
         missing = spec.missing_libraries()
         if missing:
@@ -123,6 +173,8 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             continue
         if estimate is None:
             continue
+        if pp > 1:
+            estimate = pipeline_stage(estimate, stats, pp, microbatches)
         candidates.append(
             Candidate(
                 spec.name,
@@ -138,6 +190,8 @@ def make_plan(request: PlanRequest) -> dict[str, Any]:
             result = _estimate(
                 host, spec.name, stats, {**base_options, "backend_options": variant_options}
             )
+            if result is not None and pp > 1:
+                result = pipeline_stage(result, stats, pp, microbatches)
             if result is not None:
                 label = f"{spec.name} {variant['label']}"
                 candidates.append(

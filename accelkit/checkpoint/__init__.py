@@ -347,11 +347,56 @@ def _validate(
     with profile.phase("verify"):
         agree(error, f"loading {reader.directory}")
     with profile.phase("check"):
-        if tensor_state:
+        if tensor_state and getattr(backend.settings, "pipeline", None) is not None:
+            # each stage checks its own tensors: a failure on one must stop every rank
+            # before any writes (the other stages' checks pass)
+            reader.held_anywhere = _held_anywhere(backend, reader, tensor_state)
+            failure: BaseException | None = None
+            try:
+                backend.check_load(reader, tensor_state)
+            except Exception as err:
+                failure = err
+            agree(failure, f"loading {reader.directory}")
+        elif tensor_state:
             backend.check_load(reader, tensor_state)
     with profile.phase("sections"):
         sections = read_sections(backend, reader, state, rng=rng)
     return tensor_state, sections
+
+
+def _held_anywhere(backend: Any, reader: CheckpointReader, state: dict[str, Any]) -> dict[str, Any]:
+    """Under pipeline parallelism a rank holds one stage: ``strict`` compares the checkpoint
+    with what every rank holds. Per module object, the names held on any rank; per optimizer,
+    each group's names on any rank (one collective)."""
+    from accelkit import distributed
+    from accelkit.checkpoint.format.fqn import module_tensors, user_module
+    from accelkit.checkpoint.shards.fragments import param_group_names, param_owners
+
+    objects = classify_state(state)
+    mine: dict[str, Any] = {}
+    for name, module in objects.modules.items():
+        mine[name] = sorted(
+            {
+                n
+                for fqn, _, _, aliases in module_tensors(user_module(module, backend))
+                for n in (fqn, *aliases)
+            }
+        )
+    owners = param_owners(objects.modules, backend)
+    for name, opt in objects.optimizers.items():
+        primary = (reader.manifest.objects.get(name) or {}).get("model")
+        names, _ = param_group_names([g["params"] for g in opt.param_groups], owners, primary)
+        mine[name] = names
+    merged: dict[str, Any] = {}
+    for theirs in distributed.all_gather_object(mine):
+        for name, value in theirs.items():
+            if name in objects.modules:
+                merged.setdefault(name, set()).update(value)
+            else:
+                groups = merged.setdefault(name, [set() for _ in value])
+                for group, names in zip(groups, value):
+                    group.update(names)
+    return merged
 
 
 def _commit(

@@ -16,6 +16,11 @@ examples:
   accelkit plan --model gpt2-small --gpus 8 --gpu-memory 80GiB --precision bf16-mixed --batch 8
   accelkit plan mypkg.models:build --batch-factory mypkg.models:make_batch --gpus 4 --gpu-memory 24GiB
   accelkit plan --model gpt2-small --gpus 8 --gpu-memory 24GiB --mesh    # which dp x tp fits
+  accelkit plan --model gpt2-small --gpus 8 --gpu-memory 24GiB --pp 2     # per pipeline stage
+
+--pp P estimates the backends that run pipelines per stage (the heaviest one), on GPUS/P GPUs
+a stage, and stretches the step by the bubble (P-1)/(M+P-1) of M micro-batches (--microbatches,
+default 2P); the table's bubble column shows it.
 
 --mesh adds a row per (dp_replicate, dp_shard, tp) mesh of the GPUs, labelled "fsdp mesh RxSxT":
 FSDP2 shards over dp_shard (replicated over dp_replicate), and tensor parallelism with
@@ -62,6 +67,15 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also estimate fsdp on every dp_replicate x dp_shard x tp mesh of --gpus",
     )
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: per-stage memory and the bubble, on GPUS/PP GPUs a stage",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step with --pp (2*pp)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -94,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             batch_factory=args.batch_factory,
             backends=[b.strip() for b in args.backends.split(",")] if args.backends else None,
             mesh=args.mesh,
+            pp=args.pp,
+            microbatches=args.microbatches,
         )
         if request.gpus < 1 or not 0 <= request.headroom < 1:
             raise ValueError("--gpus must be >= 1 and --headroom in [0, 1)")
@@ -197,6 +213,15 @@ def render(plan: dict[str, Any]) -> str:
         )
     if plan["failed_estimates"]:
         lines.append("Estimate failed: " + "; ".join(plan["failed_estimates"]))
+    if req.get("pp", 1) > 1:
+        lines.append(
+            f"Pipeline: pp={req['pp']}; memory is the heaviest stage's per GPU; bubble "
+            + ", ".join(
+                f"{c.label} {100 * c.estimate.get('bubble_fraction', 0):.0f}%"
+                for c in plan["candidates"][:1]
+            )
+            + " of each step (1F1B)."
+        )
     lines.append(
         "Columns are GiB per GPU; 'activations' is the traced forward+backward peak (with the "
         "gradients it overlaps and any gathered-parameter working set), so the peak is not the "

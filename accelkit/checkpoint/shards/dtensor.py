@@ -47,7 +47,8 @@ def flat_range(
 
 def _first_of_other_dims(mesh: Any) -> bool:
     """On an N-D mesh a DTensor may live on a slice of it (FSDP2's data-parallel dimensions,
-    without ``tp``): the slices hold the same pieces, so only the first slice writes them."""
+    without ``tp``): the slices hold the same pieces, so only the first slice writes them. The
+    pipeline dimension (``pp``) is not such a copy: its slices hold other stages' tensors."""
     root_of = getattr(mesh, "_get_root_mesh", None)  # the mesh's own (newer torch)
     if root_of is None:  # older torch: the module-level registry, deprecated since
         try:
@@ -60,7 +61,7 @@ def _first_of_other_dims(mesh: Any) -> bool:
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh or not names or not root_names or not set(names) <= set(root_names):
         return True
-    return all(root.get_local_rank(d) == 0 for d in root_names if d not in names)
+    return all(root.get_local_rank(d) == 0 for d in root_names if d not in names and d != "pp")
 
 
 def needs_gather(tensor: Any) -> bool:

@@ -356,17 +356,16 @@ def dense_fragments(
 ) -> Iterator[Fragment | ObjectInfo]:
     """Fragments of the modules and torch optimizers in ``state`` (all, or those in ``names``).
 
-    Plain tensors are replicas: with a distributed backend each rank writes a disjoint part
-    (:class:`ReplicaPlanner`); buffers are written by rank 0, whose copy is authoritative (DDP
-    broadcasts rank 0's buffers). DTensor shards are written by the rank holding them.
+    Plain tensors are replicas: with a distributed backend each rank holding them
+    (``Backend.replica_holders``) writes a disjoint part (:class:`ReplicaPlanner`); buffers are
+    written by the first holder, whose copy is authoritative (DDP broadcasts rank 0's buffers). DTensor shards are written by the rank holding them.
     """
     objects = classify_state(state)
     distributed = bool(getattr(backend.capabilities, "distributed", False))
-    rank = backend.rank if distributed else 0
-    world = backend.world_size if distributed else 1
     if not distributed and backend.rank != 0:
         return  # independent processes: rank 0 writes everything
-    planner = ReplicaPlanner(rank, world)
+    # over the ranks holding the same tensors (under pipeline parallelism: one stage's)
+    planner = ReplicaPlanner(*(backend.replica_holders() if distributed else (0, 1)))
     wanted = set(names) if names is not None else None
     for name, module in objects.modules.items():
         if wanted is not None and name not in wanted:
@@ -560,7 +559,10 @@ def match_module_entries(
         plan.append((entry, target, is_param))
         # the target ties what the checkpoint stored separately: fine, same values
         used.update(a for a in aliases if a in saved)
-    reader.check_keys(f"module {name!r}", missing, sorted(set(saved) - used))
+    # under pipeline parallelism the other stages' tensors are not unexpected: they are held
+    # by other ranks (reader.held_anywhere, gathered once per load)
+    elsewhere = getattr(reader, "held_anywhere", {}).get(name, set())
+    reader.check_keys(f"module {name!r}", missing, sorted(set(saved) - used - elsewhere))
     return plan
 
 
@@ -714,7 +716,12 @@ def check_param_groups(
     reader: Any, name: str, saved_groups: list[dict[str, Any]], group_names: list[list[str]]
 ) -> None:
     """The saved param groups hold the same parameters as the live ones (``group_names``),
-    group by group; mismatches go to ``reader.check_keys`` (the ``strict`` rule)."""
+    group by group; mismatches go to ``reader.check_keys`` (the ``strict`` rule). Under
+    pipeline parallelism the groups compared are every rank's together
+    (``reader.held_anywhere``)."""
+    everywhere = getattr(reader, "held_anywhere", {}).get(name)
+    if everywhere is not None and len(everywhere) == len(group_names):
+        group_names = [sorted(g) for g in everywhere]
     if len(saved_groups) != len(group_names):
         reader.check_keys(
             f"optimizer {name!r}",

@@ -220,7 +220,7 @@ def sharded_fragments(
         yield from dense_fragments(backend, state, names=others if held else None)
     if not held:
         return
-    planner = ReplicaPlanner(backend.rank, backend.world_size)
+    planner = ReplicaPlanner(*backend.replica_holders())
     for name, module in objects.modules.items():
         if name in held:
             inner = user_module(module, backend)

@@ -164,6 +164,9 @@ def _plan_rank(
         json_infos, extras, backend_state = _json_states(objects, backend, collector)
         infos.update(json_infos)
         record.update(infos=infos, extras=extras, backend_state=backend_state)
+    elif getattr(backend.settings, "pipeline", None) is not None:
+        # each stage's optimizer lists its own parameters: rank 0's groups hold the first's
+        record["infos"] = {k: v for k, v in infos.items() if v.get("type") == "optimizer"}
     rank_state = backend.rank_state_dict()
     if rank_state:  # what differs per rank is saved by every rank (Backend.rank_state_dict)
         sink = collector.sink(f"{BACKEND_OBJECT}.{rank}", "state")
@@ -340,6 +343,36 @@ def _lower_priority() -> None:
         pass
 
 
+def _merge_optimizer_groups(infos: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    """Under pipeline parallelism each stage's optimizer holds its own parameters: group ``g``
+    of the saved optimizer lists every stage's names (in rank order, so stage order) and the
+    per-parameter scalar state of all; the stages must agree on everything else."""
+    for record in records[1:]:
+        for name, info in (record.get("infos") or {}).items():
+            mine = infos.get(name)
+            if mine is None or mine.get("type") != "optimizer" or mine is info:
+                continue
+            groups, theirs = mine["param_groups"], info["param_groups"]
+            if len(groups) != len(theirs):
+                raise CheckpointError(
+                    f"optimizer {name!r}: rank {record['rank']} has {len(theirs)} param groups, "
+                    f"rank 0 {len(groups)}; every pipeline stage must build the optimizer with "
+                    "the same groups"
+                )
+            for index, (group, other) in enumerate(zip(groups, theirs)):
+                settings = {k: v for k, v in group.items() if k != "params"}
+                if settings != {k: v for k, v in other.items() if k != "params"}:
+                    raise CheckpointError(
+                        f"optimizer {name!r}: param group {index} has other settings on rank "
+                        f"{record['rank']} than on rank 0 ({settings}); pipeline stages must "
+                        "share their hyperparameters (one optimizer over the whole model)"
+                    )
+                seen = set(group["params"])
+                group["params"] += [p for p in other["params"] if p not in seen]
+            for pname, value in (info.get("scalar_state") or {}).items():
+                mine.setdefault("scalar_state", {}).setdefault(pname, value)
+
+
 def _build_manifest(
     backend: Any, accel: Any, records: list[dict[str, Any]], state_keys: list[str], step: Any
 ) -> tuple[Manifest, dict[str, Any]]:
@@ -377,6 +410,7 @@ def _build_manifest(
     )
     for t in tensors:
         t.fragments.sort(key=lambda f: f.flat_offset)
+    _merge_optimizer_groups(main["infos"], records)
     objects = {}
     for name in [*state_keys, *(k for k in main["infos"] if k not in state_keys)]:
         info = main["infos"].get(name)
