@@ -122,7 +122,6 @@ class CheckpointReader:
 
         self.directory = resolve(directory) if manifest is None else Path(directory)
         self.strict = strict
-        self.held_anywhere: dict[str, Any] = {}  # pp: names any rank holds, for strict
         self.verify = verify
         self.ensure = ensure or _all_there
         #: fragments hashed before the validate phase (an object-storage load, as they arrived):
