@@ -560,6 +560,11 @@ def replace_with_hybrid_adam(optimizer: torch.optim.Optimizer, *, adamw: bool) -
 
 
 # ---- HybridParallelPlugin ---------------------------------------------------------------------
+#: accelkit's schedule names -> HybridParallelPlugin's ``pp_style`` (zbv needs scheduler nodes
+#: built per model: not mapped)
+PIPELINE_STYLES = {"1F1B": "1f1b", "Interleaved1F1B": "interleaved"}
+
+
 class ColossalHybridBackend(ColossalAIBackend):
     """``colossalai_hybrid``: HybridParallelPlugin, tensor parallelism through Shardformer (a
     model Shardformer has a policy for: most Hugging Face transformers) plus data parallelism,
@@ -576,12 +581,30 @@ class ColossalHybridBackend(ColossalAIBackend):
         compile=False,
         precisions=tuple(opts.HYBRID_DTYPES),
         init_context="lazy",
+        pipeline_schedules=tuple(PIPELINE_STYLES),
     )
     options_class = opts.HybridOptions
     dtype_table = opts.HYBRID_DTYPES
 
     @classmethod
+    def pipeline_refusal(cls, options: Any) -> str | None:
+        if options.zero_stage == 2:
+            return (
+                "ColossalAI's HybridParallelPlugin refuses ZeRO-2 with pipeline parallelism "
+                "('zero stage must be 0 or 1 when using pipeline parallelism'): use zero_stage=0 "
+                "or 1 with pp"
+            )
+        return None
+
+    @classmethod
     def check_settings(cls, name: str, options: Any, settings: Settings) -> None:
+        pipeline = settings.pipeline
+        if pipeline is not None and pipeline.split != "auto":
+            raise ConfigError(
+                f"{name} with pp: ColossalAI splits the model by its Shardformer policy "
+                f"(decoder layers spread over the stages); split={pipeline.split!r} cannot be "
+                "given, leave it 'auto'"
+            )
         if options.zero_stage > 0 and settings.precision in ("32-true", "bf16-mixed"):
             raise ConfigError(
                 f"{name}: zero_stage={options.zero_stage} needs precision 'bf16-true' or "
@@ -594,6 +617,7 @@ class ColossalHybridBackend(ColossalAIBackend):
         zero = options.zero_stage
         return dataclasses.replace(
             cls.capabilities,
+            pipeline_schedules=() if zero == 2 else tuple(PIPELINE_STYLES),
             no_sync=zero != 2,
             sharded=zero > 0 or options.tp_size > 1,
             # ZeRO over tensor-parallel pieces is refused by the portable checkpoint; a fused
@@ -621,7 +645,7 @@ class ColossalHybridBackend(ColossalAIBackend):
             overlap = self._device.type == "cuda"
         kwargs: dict[str, Any] = dict(
             tp_size=o.tp_size,
-            pp_size=1,
+            **self._pipeline_kwargs(),
             zero_stage=o.zero_stage,
             enable_all_optimization=o.enable_all_optimization,
             enable_fused_normalization=o.enable_fused_normalization,
@@ -644,6 +668,99 @@ class ColossalHybridBackend(ColossalAIBackend):
             kwargs["sequence_parallelism_mode"] = o.sequence_parallelism_mode
         kwargs.update(o.plugin_kwargs)
         return HybridParallelPlugin(**kwargs)
+
+    def _pipeline_kwargs(self) -> dict[str, Any]:
+        """HybridParallelPlugin's pipeline arguments from ``settings.pipeline``."""
+        pipeline = self.settings.pipeline
+        if pipeline is None:
+            return {"pp_size": 1}
+        return dict(
+            pp_size=pipeline.pp,
+            num_microbatches=pipeline.microbatches,
+            pp_style=PIPELINE_STYLES[pipeline.schedule],
+            num_model_chunks=pipeline.stages_per_rank,
+            # the interleaved schedule's overlapped p2p hangs on gloo (measured: killed at 300 s)
+            overlap_p2p=self._device.type == "cuda",
+        )
+
+    # ---- the pipeline -------------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, optimizers: list[Any], **kwargs: Any) -> SetupResult:
+        result = super().setup(model, optimizers, **kwargs)
+        if self.settings.pipeline is not None:
+            self._in_pipeline = False
+            result.model.register_forward_pre_hook(self._refuse_call_outside_pipeline)
+        return result
+
+    def _refuse_call_outside_pipeline(self, module: Any, args: Any) -> None:
+        if not self._in_pipeline:
+            raise UnsupportedError(
+                f"pipeline parallel ({self.name}): no rank holds the whole model, so model(...) "
+                "cannot run; call loss = accel.forward_backward(model, input_ids=..., labels=...) "
+                "then accel.step()"
+            )
+
+    def pipeline_forward_backward(
+        self,
+        model: torch.nn.Module,
+        inputs: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        target: Any,
+        loss_fn: Any,
+        closes_window: bool,
+    ) -> torch.Tensor:
+        """``booster.execute_pipeline`` over the batch (``kwargs``, the model's keyword
+        inputs), which ColossalAI cuts into ``microbatches``. ColossalAI divides each
+        micro-batch loss by the micro-batches; accelkit's criterion divides it by
+        ``accumulation_steps`` too. The mean loss, found on the last stage only, is broadcast
+        over the pipeline."""
+        import torch.distributed as dist
+
+        from accelkit.sdk import split_microbatches
+
+        if inputs:
+            raise UnsupportedError(
+                f"{self.name} with pp: pass the model's inputs by keyword "
+                "(forward_backward(model, input_ids=ids, labels=ids)): ColossalAI's pipeline "
+                "hands each stage the batch's keywords"
+            )
+        if self.model is None or self.optimizer is None:
+            raise UnsupportedError(f"{self.name}: call accel.setup(model, optimizer) first")
+        pipeline = self.settings.pipeline
+        split_microbatches(kwargs, pipeline.microbatches)  # an uneven batch: the named error
+        targets = (
+            split_microbatches(target, pipeline.microbatches, "target")
+            if target is not None
+            else None
+        )
+        steps = self.settings.accumulation_steps
+        seen = [0]
+
+        def criterion(outputs: Any, micro_batch: Any) -> torch.Tensor:
+            if loss_fn is None:
+                loss = outputs if isinstance(outputs, torch.Tensor) else outputs.loss
+            else:  # the last stage's micro-batches arrive in order
+                loss = loss_fn(outputs, targets[seen[0]] if targets is not None else None)
+            seen[0] += 1
+            return loss / steps if steps > 1 else loss
+
+        self._in_pipeline = True
+        try:
+            with self.precision.forward_context():
+                out = self.booster.execute_pipeline(
+                    iter([dict(kwargs)]), self.model, criterion, self.optimizer, return_loss=True
+                )
+        finally:
+            self._in_pipeline = False
+        manager = self.plugin.stage_manager
+        group = manager.p2p_group
+        loss = out.get("loss")
+        value = torch.zeros((), dtype=torch.float32, device=self._device)
+        if loss is not None:
+            value = loss.detach().to(torch.float32).reshape(()) * steps
+        last = dist.get_global_rank(group, manager.num_stages - 1)
+        dist.broadcast(value, src=last, group=group)
+        return value
 
     @property
     def data_parallel_rank(self) -> int:

@@ -8,7 +8,9 @@ Applied only when accelkit runs a ColossalAI backend on the CPU (never with CUDA
 * the process's ColossalAI accelerator becomes :class:`CpuShimAccelerator`, a ``CpuAccelerator``
   whose stream calls are no-ops (CPU work is synchronous: there is nothing to wait for) and
   whose RNG calls go to torch's CPU generator;
-* ``LowLevelZeroOptimizer._sanity_checks`` keeps its dtype check and drops the device assertion.
+* ``LowLevelZeroOptimizer._sanity_checks`` keeps its dtype check and drops the device assertion;
+* ``torch.distributed.is_hccl_available`` (an Ascend-NPU query ColossalAI's pipeline p2p calls,
+  absent from torch 2.13) answers False where torch lacks it, so ``pp`` runs.
 
 What still does not run on the CPU, with or without this: fp16 loss scaling in LowLevelZero
 (its scaler calls ``device_count``), ``overlap_communication`` (``record_stream``), and Gemini
@@ -35,6 +37,9 @@ def apply() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("the ColossalAI CPU shim must not be applied where CUDA is available")
+    if not hasattr(torch.distributed, "is_hccl_available"):
+        # colossalai/pipeline/p2p.py asks it before every pipeline send: no HCCL on a CPU
+        torch.distributed.is_hccl_available = lambda: False  # type: ignore[attr-defined]
     from colossalai.accelerator import api
     from colossalai.accelerator.cpu_accelerator import CpuAccelerator
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer

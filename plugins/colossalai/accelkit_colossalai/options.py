@@ -120,7 +120,7 @@ class HybridOptions(LossScaleOptions, CommonOptions):
     """HybridParallelPlugin (tensor parallel + ZeRO through Shardformer)."""
 
     tp_size: int = 1
-    #: only 1: pipeline parallelism needs ``booster.execute_pipeline``, not accelkit's loop
+    #: only 1: pipeline stages are accelkit's ``pp`` (``accelkit.get(..., pp=2, pipeline=...)``)
     pp_size: int = 1
     zero_stage: Literal[0, 1, 2] = 0
     sp_size: int | None = None
@@ -142,9 +142,10 @@ class HybridOptions(LossScaleOptions, CommonOptions):
         super().__post_init__()
         if self.pp_size != 1:
             raise ValueError(
-                "pp_size must be 1: ColossalAI's pipeline parallelism runs forward and backward "
-                "inside booster.execute_pipeline, which accelkit's loop (model(x), "
-                "accel.backward(loss)) does not call"
+                f"pp_size={self.pp_size}: pipeline stages are accelkit's own option, pp: "
+                f"accelkit.get('colossalai_hybrid', pp={self.pp_size}, pipeline=dict(schedule="
+                "'1F1B', microbatches=8)), trained with accel.forward_backward(...) (it runs "
+                "booster.execute_pipeline)"
             )
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
