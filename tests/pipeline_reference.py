@@ -144,7 +144,7 @@ def raw_pipeline(
     n_layers: int = 8,
 ) -> dict[str, Any]:
     """torch.distributed.pipelining on a 2 x 2 mesh of 4 gloo processes: ``mode`` ``fsdp``
-    (pp x dp_shard) or ``tp`` (pp x tp). With ``scale_grads=False`` each micro-batch loss is
+    (pp x dp_shard) or ``tp`` (pp x tp); ``fsdp_tp``: 2 x 2 x 2 on 8. With ``scale_grads=False`` each micro-batch loss is
     divided by micro-batches x accumulation (x dp through FSDP's mean), else by accumulation
     alone and the schedule scales (the trap). Returns this rank's stage parameters, full."""
     import torch.distributed as dist
@@ -158,8 +158,12 @@ def raw_pipeline(
     )
 
     dist.init_process_group("gloo")
-    other = "dp" if mode == "fsdp" else "tp"
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", other))
+    if mode == "fsdp_tp":  # 8 processes: pp x dp x tp
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        other = "dp"
+    else:
+        other = "dp" if mode == "fsdp" else "tp"
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", other))
     pp_rank, pp = mesh["pp"].get_local_rank(), 2
     cls = getattr(pipelining, "Schedule" + schedule)
     multi = schedule not in ("GPipe", "1F1B")
@@ -176,7 +180,16 @@ def raw_pipeline(
     parts = []
     for i in ids:
         part = _keep(full, names[i])
-        if mode == "fsdp":
+        if mode == "fsdp_tp":
+            for block in part.layers:
+                parallelize_module(
+                    block,
+                    mesh["tp"],
+                    {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()},
+                )
+                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+            fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        elif mode == "fsdp":
             for block in part.layers:
                 fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
             fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
@@ -200,8 +213,8 @@ def raw_pipeline(
     kwargs = dict(n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     sched = cls(pstages[0], **kwargs) if len(pstages) == 1 else cls(pstages, **kwargs)
     opt = torch.optim.AdamW([p for m in parts for p in m.parameters()], lr=1e-2)
-    dp = 2 if mode == "fsdp" else 1
-    me = mesh[other].get_local_rank() if mode == "fsdp" else 0
+    dp = 1 if mode == "tp" else 2
+    me = mesh["dp"].get_local_rank() if dp > 1 else 0
     first = any(s.is_first for s in pstages)
     last = any(s.is_last for s in pstages)
     for i, (x, y) in enumerate(data(n_batches, batch * dp)):

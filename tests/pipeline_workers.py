@@ -72,6 +72,7 @@ def train(
     tie: bool = False,
     options: dict[str, Any] | None = None,
     meta: bool = True,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """``batch`` is one replica's batch; the loader holds ``n_batches`` global batches."""
     accel = accelkit.get(
@@ -80,7 +81,7 @@ def train(
         pipeline=pipeline,
         accumulation_steps=accumulation,
         max_grad_norm=max_grad_norm,
-        device="cpu",
+        device=device,
         **(options or {}),
     )
     dp = accel.backend.data_parallel_world_size
@@ -108,7 +109,9 @@ def train(
         refused = "no error"
     except accelkit.UnsupportedError as err:
         refused = str(err)
+    full = {k: v.reshape(-1).tolist() for k, v in accel.full_state_dict(model).items()}
     return {
+        "full": full,
         "refused": refused,
         "losses": losses,
         "norms": norms,
@@ -154,6 +157,7 @@ def checkpoint_job(
     mode: str,
     options: dict[str, Any] | None = None,
     steps: int = 2,
+    tie: bool = False,
 ) -> dict[str, Any]:
     """``mode="save"``: train ``steps`` batches, save (model, optimizer, loader), report the
     gathered state, then train one more batch. ``mode="load"``: build, load, report the state,
@@ -161,11 +165,11 @@ def checkpoint_job(
     accel = _layout(backend, pp, options or {})
     torch.manual_seed(0)
     with accel.init_module():
-        model = Net(8)
+        model = Net(8, tie)
     model, opt = accel.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     dp = accel.backend.data_parallel_world_size
     loader = accel.setup_dataloader(
-        torch.utils.data.DataLoader(_dataset(6, 8, False), batch_size=8 // dp), shuffle=False
+        torch.utils.data.DataLoader(_dataset(6, 8, tie), batch_size=8 // dp), shuffle=False
     )
     state = {"model": model, "optimizer": opt, "loader": loader}
     batches = iter(loader)
@@ -202,3 +206,13 @@ def try_load(*, backend: str, pp: int, path: str, n_layers: int) -> str:
     except accelkit.CheckpointError as err:
         return str(err)
     return "loaded"
+
+
+def initial(*, backend: str, pp: int, schedule: str = "1F1B") -> dict[str, Any]:
+    """The weights right after setup of a model built on meta in init_module()."""
+    accel = accelkit.get(backend, pp=pp, pipeline={"schedule": schedule}, device="cpu")
+    torch.manual_seed(0)
+    with accel.init_module():
+        model = Net(8)
+    model, _ = accel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return {"params": _params(accel.unwrap(model))}

@@ -97,6 +97,12 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
             from torch.distributed.device_mesh import init_device_mesh
 
             self.check_pipeline_settings()
+            if getattr(self.options, "comm_hook", None) == "powersgd":
+                raise ConfigError(
+                    f"{self.name}: comm_hook='powersgd' is not supported with pp > 1 (its "
+                    "error feedback is kept per model, and each stage is its own DDP model); "
+                    "use 'bf16' or 'fp16', or none"
+                )
             if self.world_size % pipeline.pp:
                 raise ConfigError(
                     f"{self.name}: {self.world_size} ranks cannot be split into pp="

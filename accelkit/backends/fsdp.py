@@ -872,5 +872,7 @@ class FSDPBackend(PipelineParallel, DistributedBackend):
             get_model_state_dict,
         )
 
+        if isinstance(model, PipelinedModule):
+            return super().full_state_dict(model)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         return {k: v.detach() for k, v in state.items()}

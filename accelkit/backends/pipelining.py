@@ -208,6 +208,11 @@ def check_cover(model: nn.Module, plan: list[list[str]]) -> None:
         )
 
 
+#: the attribute a stage's module carries: names of tensors another stage writes to checkpoints
+#: (this one's copy of a weight tied across stages), read by accelkit.checkpoint
+WRITTEN_ELSEWHERE = "_accelkit_written_elsewhere"
+
+
 class PassThrough(nn.Module):
     """Stands for a module another stage holds: returns its first input unchanged, so the
     model's own forward runs on every stage."""
@@ -220,8 +225,19 @@ def prune(model: nn.Module, keep: list[str], root_params: bool) -> nn.Module:
     """A structural copy of ``model`` holding the modules named in ``keep`` (the same objects)
     under their names; containers drop the other keys, other modules become
     :class:`PassThrough`. The root's (and the path's) own parameters stay when ``root_params``
-    (the first stage); buffers stay everywhere."""
+    (the first stage); buffers stay everywhere. A pass-through keeps the parameters its module
+    shares with a kept one (a tied embedding on the last stage), under their own names: the
+    weight is then named as in the unsplit model (``embed.weight``, alias ``head.weight``)."""
     kept = set(keep)
+    modules = dict(model.named_modules())
+    held = {id(p) for name in kept for p in modules[name].parameters()}
+
+    def pass_through(child: nn.Module) -> nn.Module:
+        stand_in = PassThrough()
+        for pname, p in child._parameters.items():
+            if p is not None and id(p) in held:
+                stand_in._parameters[pname] = p
+        return stand_in
 
     def on_path(name: str) -> bool:
         return any(k == name or k.startswith(name + ".") for k in kept) or name == ""
@@ -240,7 +256,7 @@ def prune(model: nn.Module, keep: list[str], root_params: bool) -> nn.Module:
             elif on_path(full):
                 new._modules[name] = copy_of(child, full + ".")
             elif not isinstance(module, _CONTAINERS):
-                new._modules[name] = PassThrough()
+                new._modules[name] = pass_through(child)
         return new
 
     return copy_of(model, "")
@@ -677,6 +693,11 @@ class PipelineParallel:
             local._buffers = dict(holder._buffers)
         params = dict(iter_stage_params([local]))
         split_optimizers(optimizers, slots, params)
+        tie_groups = build_tie_groups(ties, mesh, pp_rank, set(params))
+        # a tied weight's later holders keep a copy the first holder writes to checkpoints
+        local.__dict__[WRITTEN_ELSEWHERE] = {
+            t.local for t in tie_groups if t.local is not None and not t.first_holder
+        }
         runner = PipelineRunner(
             settings=settings,
             stage_ids=ids,
@@ -687,7 +708,7 @@ class PipelineParallel:
             accumulation_steps=backend.settings.accumulation_steps,
             scale_loss=backend.precision.scale_loss,
             forward_context=backend.forward_context,
-            ties=build_tie_groups(ties, mesh, pp_rank, set(params)),
+            ties=tie_groups,
         )
         log.info(
             "pipeline: rank %d runs stage(s) %s of %d (%s, %d micro-batches): %s",
@@ -699,6 +720,24 @@ class PipelineParallel:
             "; ".join(", ".join(plan[i][:3]) + (" ..." if len(plan[i]) > 3 else "") for i in ids),
         )
         return SetupResult(PipelinedModule(local, runner), optimizers)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Under pp: every stage's tensors, gathered whole (on the CPU) onto every rank."""
+        if not isinstance(model, PipelinedModule):
+            return super().full_state_dict(model)  # type: ignore[misc]
+        from accelkit.checkpoint.format.fqn import canonical_fqn
+
+        mine = {}
+        for name, tensor in model.module.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor):
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                mine[canonical_fqn(name)] = full.detach().cpu()
+        parts: list[Any] = [None] * dist.get_world_size(model.runner.pp_group)
+        dist.all_gather_object(parts, mine, group=model.runner.pp_group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
 
     # ---- the step -------------------------------------------------------------------------
     def pipeline_forward_backward(

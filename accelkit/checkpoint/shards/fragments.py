@@ -372,7 +372,11 @@ def dense_fragments(
             continue
         inner = user_module(module, backend)
         yield module_info(name, inner)
+        # a pipeline stage's copy of a weight tied across stages: the first holder writes it
+        elsewhere = getattr(inner, "_accelkit_written_elsewhere", ())
         for fqn, tensor, is_param, aliases in module_tensors(inner):
+            if fqn in elsewhere:
+                continue
             if tensor.device.type == "meta":
                 raise CheckpointError(
                     f"{name}.{fqn} is on the meta device (not materialized); nothing to save"
@@ -395,10 +399,19 @@ def dense_fragments(
             continue
         group_names, primary = optimizer_param_names(opt, owners)
         scalar_state: dict[str, Any] = {}
+        elsewhere = _written_elsewhere(objects.modules, backend)
         yield from param_state_fragments(
-            name, opt.param_groups, group_names, opt.state, planner, scalar_state
+            name, opt.param_groups, group_names, opt.state, planner, scalar_state, skip=elsewhere
         )
         yield optimizer_info(name, opt, group_names, primary, scalar_state=scalar_state)
+
+
+def _written_elsewhere(modules: dict[str, torch.nn.Module], backend: Any) -> set[str]:
+    """The parameter names (as optimizers name them) another pipeline stage writes."""
+    out: set[str] = set()
+    for module in modules.values():
+        out |= set(getattr(user_module(module, backend), "_accelkit_written_elsewhere", ()))
+    return out
 
 
 def param_state_fragments(
@@ -409,11 +422,15 @@ def param_state_fragments(
     planner: ReplicaPlanner,
     scalar_state: dict[str, Any],
     owner: int | None = None,
+    skip: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[Fragment]:
     """Per-parameter optimizer ``state`` (whole tensors, one per parameter): each tensor as a
-    replica (or written by rank ``owner``), each other value into ``scalar_state`` (JSON)."""
+    replica (or written by rank ``owner``), each other value into ``scalar_state`` (JSON);
+    the parameters named in ``skip`` are written by another rank."""
     for group, pnames in zip(groups, names):
         for p, pname in zip(group["params"], pnames):
+            if pname in skip:
+                continue
             for key, value in state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     kind = OPTIM_PREFIX + key
