@@ -66,6 +66,10 @@ class Capabilities:
     #: pipeline schedules it runs with ``pp > 1`` (names of :data:`accelkit.pipeline.SCHEDULES`);
     #: empty: no pipeline parallelism, and ``accelkit.get`` refuses ``pp > 1``
     pipeline_schedules: tuple[str, ...] = ()
+    #: the parts of one model (a GAN's generator and discriminator) can each be set up on one
+    #: Accelerator with their own optimizer and trained by losses that cross parts, as
+    #: frameworks with several optimizers per model do (MMEngine's ``OptimWrapperDict``)
+    several_optimizers: bool = True
 
 
 def check_precision_supported(name: str, precision: str, capabilities: Capabilities) -> None:

@@ -963,7 +963,22 @@ def test_optim_wrapper_config_maps_onto_accelkit_settings() -> None:
         (dict(optimizer={}, clip_grad=dict(max_norm=1, norm_type=1)), "L2 norm"),
         (dict(optimizer={}, clip_grad=dict(max_norm=1, error_if_nonfinite=True)), "nonfinite"),
         (dict(type="ApexOptimWrapper", optimizer={}), "drives its own library.*backend='apex'"),
-        (dict(gen=dict(optimizer={}), disc=dict(optimizer={})), "one optimizer"),
+        (
+            dict(
+                constructor="X",
+                gen=dict(optimizer={}, clip_grad=dict(max_norm=1)),
+                disc=dict(optimizer={}),
+            ),
+            "differ in clip_grad max_norm",
+        ),
+        (
+            dict(
+                constructor="X",
+                gen=dict(type="AmpOptimWrapper", optimizer={}),
+                disc=dict(optimizer={}),
+            ),
+            "differ in AMP",
+        ),
     ],
 )
 def test_unsupported_optim_wrapper_config_is_refused(cfg: dict, message: str) -> None:

@@ -3,8 +3,9 @@
 - DDP wraps the model as MMEngine's own DDP does (``broadcast_buffers=False`` unless
   ``model_wrapper_cfg`` says otherwise): BatchNorm statistics and the distributed validation
   metric are MMEngine's (2 gloo processes, plain MMEngine's Runner as the reference).
-- Several optimizers (a constructor building an ``OptimWrapperDict``) are refused clearly,
-  before the model is built.
+- Several optimizers (a constructor building an ``OptimWrapperDict``) build accelkit's wrappers;
+  what accelkit cannot honour (wrappers that clip differently) is refused before the model is
+  built (the training itself: tests/test_mmengine_gan.py).
 - An invalid ``optim_wrapper`` raises the exception type plain MMEngine raises for it (and
   accelkit's ``ConfigError``).
 - ``AmpOptimWrapper(loss_scale=...)`` sets the fp16 GradScaler, or is refused.
@@ -393,20 +394,36 @@ def _source_of(function) -> str:
     return inspect.getsource(function)
 
 
-def test_several_optimizers_are_refused_before_anything_is_built(
+def test_several_optimizers_build_accelkit_wrappers(tmp_path: Path, gan_project) -> None:
+    from mmengine.optim import OptimWrapperDict
+    from mmengine.registry import RUNNERS
+
+    from accelkit.integrations.mmengine import AccelkitOptimWrapper
+
+    cfg = gan_cfg(str(tmp_path / "ours"), **MULTI)
+    cfg.update(runner_type="AccelkitRunner", accelkit=dict(backend="cpu"))
+    runner = RUNNERS.build(cfg)
+    wrapper = runner.build_optim_wrapper(runner.optim_wrapper)
+    assert isinstance(wrapper, OptimWrapperDict)
+    assert sorted(wrapper.keys()) == ["discriminator", "generator"]
+    assert all(type(w) is AccelkitOptimWrapper for w in wrapper.values())
+
+
+def test_several_optimizers_that_clip_differently_are_refused_before_anything_is_built(
     tmp_path: Path, gan_project
 ) -> None:
     from mmengine.registry import RUNNERS
 
     from accelkit.errors import ConfigError
 
-    cfg = gan_cfg(str(tmp_path / "ours"), **MULTI)
+    multi = dict(MULTI, generator=dict(MULTI["generator"], clip_grad=dict(max_norm=1.0)))
+    cfg = gan_cfg(str(tmp_path / "ours"), **multi)
     cfg.update(runner_type="AccelkitRunner", accelkit=dict(backend="cpu"))
     with pytest.raises(ConfigError) as caught:
         RUNNERS.build(cfg)
     message = str(caught.value)
-    assert "one optimizer per model" in message and "OptimWrapperDict" in message
-    assert "MultipleOptimWrapperConstructor" in message and "MMEngine's own Runner" in message
+    assert "differ in clip_grad max_norm" in message, message
+    assert "generator: 1.0" in message and "discriminator: None" in message
     assert gan_project.BUILT == []  # refused before the model was built
 
 
@@ -441,7 +458,7 @@ def test_a_constructor_that_builds_several_optimizers_is_refused(
     )
     cfg.update(runner_type="AccelkitRunner", accelkit=dict(backend="cpu"))
     runner = RUNNERS.build(cfg)
-    with pytest.raises(ConfigError, match=r"built a OptimWrapperDict.*one optimizer per model"):
+    with pytest.raises(ConfigError, match=r"built an OptimWrapperDict.*read as one optimizer"):
         runner.train()
 
 
@@ -628,6 +645,24 @@ def test_bad_loss_scale_is_refused(loss_scale, dtype: str, message: str) -> None
         read_optim_wrapper_cfg(_amp(loss_scale=loss_scale, dtype=dtype))
 
 
+def test_amp_optim_wrapper_on_the_cpu_is_refused_as_mmengine_refuses_it() -> None:
+    """``tools/train.py --amp`` on a CPU: MMEngine's AmpOptimWrapper asserts a GPU (NPU, MLU,
+    MUSA); accelkit would train fp16 on the CPU, far slower than fp32. Refused when only the
+    AmpOptimWrapper asks; runs when the accelkit section asks for the precision itself."""
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine._bridge import Bridge
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    for dtype, precision in (("float16", "16-mixed"), ("bfloat16", "bf16-mixed")):
+        _, settings = read_optim_wrapper_cfg(_amp(dtype=dtype))
+        with pytest.raises(ConfigError, match=r"--amp.*MMEngine refuses AmpOptimWrapper"):
+            Bridge(_adapter("cpu")).build_accelerator(settings)
+        asked = Bridge(_adapter("cpu", precision=precision)).build_accelerator(settings)
+        assert asked.precision == precision
+    _, plain = read_optim_wrapper_cfg(dict(optimizer=dict(type="SGD", lr=0.1)))
+    assert Bridge(_adapter("cpu")).build_accelerator(plain).precision == "32-true"
+
+
 def _grad_scaler_of(bridge) -> object:
     return bridge.accel.backend.precision.scaler
 
@@ -645,7 +680,7 @@ def test_the_built_accelerator_scales_as_asked(loss_scale, init, growth, backoff
     from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
 
     _, settings = read_optim_wrapper_cfg(_amp(loss_scale=loss_scale))
-    bridge = Bridge(_adapter("cpu"))
+    bridge = Bridge(_adapter("cpu", precision="16-mixed"))  # fp16 on the CPU: asked for
     bridge.build_accelerator(settings)
     scaler = _grad_scaler_of(bridge)
     assert bridge.accel.precision == "16-mixed"
@@ -665,7 +700,7 @@ def test_a_number_is_a_static_loss_scale_as_in_mmengine() -> None:
     from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
 
     _, settings = read_optim_wrapper_cfg(_amp(loss_scale=512.0, clip_grad=dict(max_norm=1e9)))
-    bridge = Bridge(_adapter("cpu"))
+    bridge = Bridge(_adapter("cpu", precision="16-mixed"))  # fp16 on the CPU: asked for
     accel = bridge.build_accelerator(settings)
     model = torch.nn.Linear(4, 2)
     model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -686,7 +721,7 @@ def test_a_dynamic_dict_scale_grows_as_gradscaler_does() -> None:
     from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
 
     _, settings = read_optim_wrapper_cfg(_amp(loss_scale=dict(init_scale=8.0, growth_interval=1)))
-    bridge = Bridge(_adapter("cpu"))
+    bridge = Bridge(_adapter("cpu", precision="16-mixed"))  # fp16 on the CPU: asked for
     accel = bridge.build_accelerator(settings)
     model = torch.nn.Linear(4, 2)
     model, optimizer = accel.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

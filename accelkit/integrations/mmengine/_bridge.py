@@ -12,15 +12,17 @@ import torch
 
 import accelkit
 from accelkit import distributed
+from accelkit.backend import Capabilities
 from accelkit.errors import CheckpointError, ConfigError, UnsupportedError
 from accelkit.integrations.mmengine import checkpoint as ckpt
 from accelkit.integrations.mmengine._settings import (
     AdapterOptions,
     TrainingSettings,
     accelerator_kwargs,
+    backend_class,
     mmengine_wrapper_options,
 )
-from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
+from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper, user_state_dict
 from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
 
 log = logging.getLogger("accelkit")
@@ -111,6 +113,77 @@ def check_clipping(accel: accelkit.Accelerator, settings: TrainingSettings) -> N
     )
 
 
+def backends_with_several_optimizers() -> list[str]:
+    """The registered backends whose capabilities say they train several optimizers over the
+    parts of one model (for an error message: it imports their backend classes)."""
+    from accelkit import registry
+
+    host = registry.host()
+    host.ensure_loaded()
+    names = []
+    for name in host.registry.names():
+        spec = host.registry.get(name)
+        if spec is None or spec.alias_of is not None or spec.missing_libraries():
+            continue
+        try:
+            cls = spec.load_class()
+            if cls.select_backend() is not None:  # a name that picks another backend
+                continue
+            capabilities = getattr(cls, "capabilities", None)
+        except Exception:  # a backend that cannot load cannot be recommended
+            continue
+        if isinstance(capabilities, Capabilities) and capabilities.several_optimizers:
+            names.append(name)
+    return names
+
+
+def check_several_optimizers(name: str, capabilities: Any, settings: TrainingSettings) -> None:
+    """Refuse, when the Runner or strategy is built (before the backend is), an
+    ``OptimWrapperDict`` on a backend that takes one model with one optimizer, naming the
+    backends that take several."""
+    if not settings.several or capabilities.several_optimizers:
+        return
+    wrappers = ", ".join(n for n in settings.several if n)
+    raise UnsupportedError(
+        f"backend {name!r} cannot train several optimizers over one model "
+        f"(optim_wrapper builds an OptimWrapperDict{f': {wrappers}' if wrappers else ''}): "
+        "it sets up one model with one optimizer. Backends that can: "
+        f"{', '.join(backends_with_several_optimizers())}; or train this model with one "
+        "optimizer"
+    )
+
+
+def check_amp_device(accel: accelkit.Accelerator, adapter: AdapterOptions, amp: str | None) -> None:
+    """``AmpOptimWrapper`` (``tools/train.py --amp``) on the CPU: refused, as MMEngine's own
+    ``AmpOptimWrapper`` refuses it (it needs a GPU, NPU, MLU or MUSA); fp16 autocast on a CPU
+    trains far slower than fp32. Asked for in the ``accelkit`` section, it runs (warned)."""
+    if accel.device.type != "cpu":
+        return
+    if amp is not None and adapter.precision is None:
+        raise ConfigError(
+            f"optim_wrapper type 'AmpOptimWrapper' (tools/train.py --amp) asks for {amp} on "
+            f"backend {accel.name!r}, which trains on the CPU: MMEngine refuses AmpOptimWrapper "
+            "there (it needs a GPU, NPU, MLU or MUSA), and autocast on a CPU trains far slower "
+            "than fp32. Train without --amp (optim_wrapper type 'OptimWrapper'), use a GPU "
+            f"backend, or ask accelkit for it explicitly: accelkit=dict(precision={amp!r})"
+        )
+    if accel.precision in ("16-mixed", "16-true"):
+        log.warning(
+            "precision %r on the CPU: fp16 arithmetic is emulated there and trains far slower "
+            "than fp32 (MMEngine refuses AmpOptimWrapper on a CPU)",
+            accel.precision,
+        )
+
+
+class _LoaderBatchSize:
+    """What a backend's ``on_dataloader`` hook reads of a loader (its ``batch_size``), for the
+    loader MMEngine builds itself: DeepSpeed takes ``train_micro_batch_size_per_gpu`` from it,
+    and has no note to log that an MMEngine user could not act on."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = int(batch_size)
+
+
 class Bridge:
     """One Accelerator and the model/optimizer it set up, seen from MMEngine."""
 
@@ -137,7 +210,10 @@ class Bridge:
                 distributed=launched_distributed,
             )
             kwargs = accelerator_kwargs(self.adapter, settings, wrapper_options)
+            cls, _ = backend_class(self.adapter.backend)
+            check_several_optimizers(self.adapter.backend, cls.capabilities, settings)
             accel = accelkit.get(self.adapter.backend, **kwargs)
+            check_amp_device(accel, self.adapter, settings.precision)
             check_clipping(accel, settings)
             apply_loss_scale(accel, settings)
             self.accelerator = accel
@@ -176,12 +252,21 @@ class Bridge:
         return True
 
     def setup(
-        self, model: torch.nn.Module, optim_wrapper: AccelkitOptimWrapper | None
+        self, model: torch.nn.Module, optim_wrapper: Any, *, micro_batch: int | None = None
     ) -> AccelkitModelWrapper:
-        """``accel.setup(model, optimizer)`` in one call, then bind the optimizer wrapper."""
+        """``accel.setup(model, optimizer)`` in one call, then bind the optimizer wrapper; with
+        an ``OptimWrapperDict``, :meth:`setup_parts`. ``micro_batch``: the per-process batch
+        size of the training dataloader MMEngine built (the backend's ``on_dataloader`` hook
+        sees it before setup, as if accelkit had set the loader up first)."""
+        from mmengine.optim import OptimWrapperDict
+
         accel = self.accel
         if isinstance(model, AccelkitModelWrapper):
             raise ConfigError("this model is already set up by accelkit")
+        if optim_wrapper is not None and micro_batch is not None:
+            accel.backend.on_dataloader(_LoaderBatchSize(micro_batch))
+        if isinstance(optim_wrapper, OptimWrapperDict):
+            return self.setup_parts(model, optim_wrapper)
         kwargs = dict(self.adapter.setup_kwargs)
         if optim_wrapper is None:
             wrapped = accel.setup(model, **kwargs)
@@ -193,6 +278,58 @@ class Bridge:
             wrapped, optimizer = accel.setup(model, optim_wrapper.optimizer, **kwargs)
             optim_wrapper.attach(accel, wrapped, optimizer)
         return AccelkitModelWrapper(accelerator=accel, model=wrapped, module=model)
+
+    def setup_parts(self, model: torch.nn.Module, wrappers: Any) -> AccelkitModelWrapper:
+        """Several optimizers (a GAN's generator and discriminator): each submodule that an
+        optimizer trains is set up on its own with its optimizers and put back into the model
+        in its place, as MMEngine's ``MMSeparateDistributedDataParallel`` wraps each submodule
+        in its own DDP, so that separate backward passes synchronise correctly. The other
+        submodules are moved to the device. The model's own ``train_step`` then runs, calling
+        ``optim_wrapper['generator'].update_params(loss)`` as under MMEngine."""
+        accel = self.accel
+        settings = TrainingSettings(several=tuple(wrappers.keys()))
+        check_several_optimizers(accel.name, accel.capabilities, settings)
+        owner = {id(p): name for name, child in model.named_children() for p in child.parameters()}
+        by_part: dict[str, list[tuple[str, AccelkitOptimWrapper]]] = {}
+        for name, wrapper in wrappers.items():
+            if not isinstance(wrapper, AccelkitOptimWrapper):
+                raise ConfigError(
+                    f"optim_wrapper[{name!r}] is a {type(wrapper).__name__}, not an "
+                    "AccelkitOptimWrapper: build it through AccelkitRunner or AccelkitStrategy"
+                )
+            held = {owner.get(id(p)) for g in wrapper.optimizer.param_groups for p in g["params"]}
+            if None in held or len(held) != 1:
+                where = sorted(h or "(the model itself)" for h in held)
+                raise ConfigError(
+                    f"optim_wrapper[{name!r}]'s optimizer holds parameters of {where}: with "
+                    "several optimizers each submodule is set up on its own (as MMEngine's "
+                    "MMSeparateDistributedDataParallel wraps it), so every optimizer must "
+                    "train parameters of one submodule of the model (model.<name>)"
+                )
+            by_part.setdefault(held.pop(), []).append((name, wrapper))
+        kwargs = dict(self.adapter.setup_kwargs)
+        parts: dict[str, torch.nn.Module] = {}
+        for name, child in list(model.named_children()):
+            items = by_part.get(name)
+            if not items:
+                if not accel.capabilities.controls_device:
+                    child.to(accel.device)
+                continue
+            wrapped, *optimizers = accel.setup(child, *(w.optimizer for _, w in items), **kwargs)
+            for (_, wrapper), optimizer in zip(items, optimizers):
+                wrapper.attach(accel, wrapped, optimizer, one_of_several=True)
+            model._modules[name] = wrapped
+            parts[name] = wrapped
+        if not accel.capabilities.controls_device:  # the model's own parameters and buffers
+            for tensor in (*model._parameters.values(), *model._buffers.values()):
+                if tensor is not None and tensor.device != accel.device:
+                    tensor.data = tensor.data.to(accel.device)
+        log.info(
+            "several optimizers: %s set up one by one (%s)",
+            ", ".join(parts),
+            ", ".join(f"{n}: {[w for w, _ in items]}" for n, items in by_part.items()),
+        )
+        return AccelkitModelWrapper(accelerator=accel, model=model, module=model, parts=parts)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def partitions_parameters(self, model: torch.nn.Module) -> bool:
@@ -226,7 +363,58 @@ class Bridge:
         of the whole model."""
         if self.partitions_parameters(model.wrapped):
             return None
+        if model.parts:
+            return user_state_dict(self.accel, model.wrapped, model.parts, full=False)
         return dict(self.accel.unwrap(model.wrapped).state_dict())
+
+    def _objects(
+        self, model: AccelkitModelWrapper, optim_wrapper: Any, *, loading: bool = False
+    ) -> dict[str, Any]:
+        """What ``accel.save``/``accel.load`` get: the model (its parts, with several
+        optimizers) and the optimizers of ``optim_wrapper`` (None: none)."""
+        from mmengine.optim import OptimWrapperDict
+
+        if optim_wrapper is None:
+            optimizers = {}
+        elif isinstance(optim_wrapper, OptimWrapperDict):
+            optimizers = {name: w.optimizer for name, w in optim_wrapper.items()}
+        else:
+            optimizers = {"": optim_wrapper.optimizer}
+        target = self._load_target(model) if loading and not model.parts else model.wrapped
+        return ckpt.checkpoint_objects(target, model.parts, optimizers)
+
+    def _load_weights(
+        self,
+        model: AccelkitModelWrapper,
+        state_dict: dict[str, Any],
+        *,
+        strict: bool,
+        revise_keys: list[tuple[str, str]],
+    ) -> None:
+        """A whole model's state dict (user names) into the set-up model; with several
+        optimizers on a backend that shards, part by part (each part is its own set-up model)."""
+        if not (model.parts and self.accel.capabilities.sharded):
+            ckpt.load_state_dict_into(
+                self.accel, model.wrapped, state_dict, strict=strict, revise_keys=revise_keys
+            )
+            return
+        state_dict = ckpt.revise_state_dict(dict(state_dict), revise_keys)
+        for name, part in model.parts.items():
+            prefix = f"{name}."
+            own = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            ckpt.load_state_dict_into(self.accel, part, own, strict=strict, revise_keys=[])
+        rest = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] not in model.parts}
+        if rest:
+            from mmengine.runner.checkpoint import load_state_dict
+
+            load_state_dict(model.wrapped, rest, strict=False)
+
+    def _layout_differs(self, path: str, model: AccelkitModelWrapper) -> bool:
+        """The checkpoint holds the model otherwise than it is set up (one optimizer's
+        ``model`` against several optimizers' parts, or other parts)."""
+        if path.startswith("s3://"):
+            return False
+        return sorted(ckpt.saved_parts(path)) != sorted(model.parts)
 
     def check_hooks(self, hooks: list[Any], model: AccelkitModelWrapper) -> None:
         """Refuse, before training, the hooks that cannot work on this backend.
@@ -279,8 +467,7 @@ class Bridge:
         ckpt.save(
             self.accel,
             path,
-            model=model.wrapped,
-            optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
+            objects=self._objects(model, optim_wrapper),
             checkpoint=checkpoint,
             step=checkpoint.get("meta", {}).get("iter"),
             storage_options=storage_options,
@@ -290,11 +477,12 @@ class Bridge:
         self,
         path: str,
         model: AccelkitModelWrapper,
-        optim_wrapper: AccelkitOptimWrapper | None,
+        optim_wrapper: Any,
         *,
         strict: bool,
         revise_keys: list[tuple[str, str]],
         before_model: Any = None,
+        resume: bool = False,
     ) -> dict[str, Any]:
         """Load a portable checkpoint, or a pickled ``.pth`` where ``trust_pickle`` allows.
 
@@ -304,15 +492,37 @@ class Bridge:
         checkpoint as MMEngine would have written it, and what it leaves in
         ``checkpoint['state_dict']`` is what the model ends up with, as in MMEngine (EMAHook
         puts the averaged weights there for ``load_from``, the trained ones for ``resume``).
+        ``resume``: restore the random state too; ``load_from`` keeps the new run's, as
+        MMEngine's ``load_from`` does (it restores weights only).
         """
         path = os.fspath(path)
+        if ckpt.is_portable(path) and self._layout_differs(path, model):
+            if optim_wrapper is not None:
+                raise CheckpointError(
+                    f"{path!r} holds the model "
+                    + (
+                        f"in parts ({', '.join(ckpt.saved_parts(path))}: several optimizers)"
+                        if ckpt.saved_parts(path)
+                        else "whole (one optimizer)"
+                    )
+                    + ", and this run sets it up "
+                    + (f"in parts ({', '.join(model.parts)})" if model.parts else "whole")
+                    + ": its optimizer state cannot be resumed here. load_from it (weights "
+                    "only), or resume with the optim_wrapper it was trained with"
+                )
+            state = ckpt.read_as_mmengine(path)  # weights by name, whatever the layout
+            state.pop("optimizer", None)
+            if before_model is not None:
+                before_model(state)
+            self._load_weights(model, state.pop("state_dict"), strict=strict, revise_keys=[])
+            return state
         if ckpt.is_portable(path):
             state = ckpt.load(
                 self.accel,
                 path,
-                model=self._load_target(model),
-                optimizer=None if optim_wrapper is None else optim_wrapper.optimizer,
+                objects=self._objects(model, optim_wrapper, loading=True),
                 strict=strict,
+                rng=resume,
             )
             view = self.hook_view(model)
             if before_model is not None and view is not None:
@@ -323,9 +533,7 @@ class Bridge:
                 before_model(state)
                 changed = {k: v for k, v in view.items() if k in live and v is not live[k]}
                 if changed:
-                    ckpt.load_state_dict_into(
-                        self.accel, model.wrapped, changed, strict=False, revise_keys=[]
-                    )
+                    self._load_weights(model, changed, strict=False, revise_keys=[])
                 state.pop("state_dict", None)
             elif before_model is not None:
                 before_model(state)
@@ -340,6 +548,17 @@ class Bridge:
             state = {"state_dict": state}
         if before_model is not None:
             before_model(state)
+        if model.parts and self.accel.capabilities.sharded:
+            if optim_wrapper is not None and "optimizer" in state:
+                raise UnsupportedError(
+                    f"resuming the several optimizers of a pickled .pth on {self.accel.name!r} "
+                    "(a backend that shards) is not supported: load_from it (weights only), "
+                    "or resume an accelkit checkpoint"
+                )
+            self._load_weights(
+                model, state.pop("state_dict"), strict=strict, revise_keys=revise_keys
+            )
+            return state
         if self.accel.capabilities.sharded:
             # weights and optimizer state through a temporary portable checkpoint: each rank
             # takes its own ranges, and the backend refreshes its masters and partitions

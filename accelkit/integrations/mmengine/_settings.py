@@ -43,7 +43,14 @@ _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interva
 #: (``Runner.wrap_model`` and ``DDPStrategy``: ``broadcast_buffers=False``)
 MMENGINE_DDP_DEFAULTS = {"broadcast_buffers": False}
 #: the DDP wrappers whose ``model_wrapper_cfg`` options carry over onto a backend's options
-_DDP_WRAPPER_TYPES = ("MMDistributedDataParallel", "DistributedDataParallel")
+_DDP_WRAPPER_TYPES = (
+    "MMDistributedDataParallel",
+    "DistributedDataParallel",
+    "MMSeparateDistributedDataParallel",
+)
+#: MMEngine's wrapper that wraps each submodule in its own DDP, whose default is
+#: ``broadcast_buffers=False`` (torch's is True)
+_SEPARATE_DDP = "MMSeparateDistributedDataParallel"
 #: model_wrapper_cfg keys with no backend option: accelkit places the model on its device
 _PLACEMENT_KEYS = ("device_ids", "output_device")
 
@@ -111,19 +118,12 @@ class TrainingSettings:
     grad_scaler: dict[str, Any] | None = None
     #: ``loss_scale=<number>``: MMEngine resets the scale to it after every step (static)
     static_loss_scale: float | None = None
+    #: the names of an ``OptimWrapperDict``'s wrappers (several optimizers); () for one
+    several: tuple[str, ...] = ()
 
 
 def _type_name(value: Any) -> str:
     return value if isinstance(value, str) else getattr(value, "__name__", repr(value))
-
-
-def _several_optimizers(what: str) -> ConfigError:
-    return ConfigError(
-        f"accelkit's MMEngine adapter trains one optimizer per model; {what} (several "
-        "optimizers, an OptimWrapperDict, e.g. a GAN's generator and discriminator). That is not "
-        "supported yet: configure one optimizer (optim_wrapper=dict(optimizer=...)), or train "
-        "this model with MMEngine's own Runner"
-    )
 
 
 def read_loss_scale(loss_scale: Any) -> tuple[dict[str, Any] | None, float | None]:
@@ -215,8 +215,10 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
 
     if cfg is None:
         return None, TrainingSettings()
-    if isinstance(cfg, OptimWrapperDict):
-        raise _several_optimizers("this optim_wrapper is an OptimWrapperDict")
+    if isinstance(cfg, OptimWrapperDict) or (
+        hasattr(cfg, "items") and "optimizer" not in cfg and not isinstance(cfg, BaseOptimWrapper)
+    ):
+        return read_several_optim_wrappers(cfg)
     if isinstance(cfg, BaseOptimWrapper):
         if type(cfg) not in (OptimWrapper,) and type(cfg).__name__ != "AccelkitOptimWrapper":
             raise ConfigError(
@@ -237,14 +239,6 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
             f"optimizer wrapper should be an OptimWrapper object or dict, but got {cfg}"
         )
     cfg = dict(cfg)
-    if "optimizer" not in cfg:
-        what = (
-            f"this optim_wrapper config names constructor={_type_name(cfg['constructor'])!r} "
-            "and no 'optimizer'"
-            if "constructor" in cfg
-            else "this optim_wrapper config has no 'optimizer'"
-        )
-        raise _several_optimizers(what)
     wrapper_type = _type_name(cfg.get("type", "OptimWrapper"))
     subclass = None
     if wrapper_type not in _WRAPPER_TYPES:
@@ -308,9 +302,77 @@ def read_optim_wrapper_cfg(cfg: Any) -> tuple[dict[str, Any] | None, TrainingSet
     return cfg, settings
 
 
-def backend_option_names(backend: str) -> tuple[frozenset[str], dict[str, Any]]:
-    """The option names of the backend ``backend`` resolves to (``auto`` picks one), and the
-    defaults its registered name sets (an alias's)."""
+#: what an ``OptimWrapperDict``'s wrappers must share: accelkit applies them per Accelerator
+_SHARED_SETTINGS = {
+    "max_grad_norm": "clip_grad max_norm",
+    "max_grad_value": "clip_grad clip_value",
+    "precision": "AMP (AmpOptimWrapper and its dtype)",
+    "grad_scaler": "AmpOptimWrapper loss_scale",
+    "static_loss_scale": "AmpOptimWrapper loss_scale",
+}
+
+
+def read_several_optim_wrappers(cfg: Any) -> tuple[Any, TrainingSettings]:
+    """MMEngine's several-optimizer ``optim_wrapper`` on accelkit: a config with a
+    ``constructor`` whose entries are optimizer wrapper configs (mmagic's GANs), a dict of built
+    ``OptimWrapper`` objects, or an ``OptimWrapperDict``.
+
+    Each entry that is a wrapper config (it has an ``optimizer``) or a built ``OptimWrapper``
+    is read as a single ``optim_wrapper`` is and becomes an :class:`AccelkitOptimWrapper`
+    (config) or one built on the same optimizer. They keep their own ``accumulative_counts``
+    (the Accelerator accumulates over the largest); clipping and AMP must agree, since accelkit
+    applies them to the whole Accelerator.
+    """
+    from mmengine.optim import BaseOptimWrapper, OptimWrapperDict
+    from mmengine.registry import OPTIM_WRAPPERS
+
+    if isinstance(cfg, OptimWrapperDict):
+        entries: dict[str, Any] = dict(cfg.items())
+        constructor = None
+    else:
+        entries = dict(cfg)
+        constructor = entries.pop("constructor", None)
+    out: dict[str, Any] = {} if constructor is None else {"constructor": constructor}
+    read: dict[str, TrainingSettings] = {}
+    for name, value in entries.items():
+        if isinstance(value, BaseOptimWrapper):
+            one, settings = read_optim_wrapper_cfg(value)
+            out[name] = OPTIM_WRAPPERS.build(one)
+            read[name] = settings
+        elif constructor is not None and hasattr(value, "items") and "optimizer" in value:
+            out[name], read[name] = read_optim_wrapper_cfg(value)
+        else:  # a constructor's own argument (paramwise_cfg), or what MMEngine refuses itself
+            out[name] = value
+    return out, combine_settings(read)
+
+
+def combine_settings(read: dict[str, TrainingSettings]) -> TrainingSettings:
+    """One Accelerator's settings for several optimizer wrappers: accumulation over the largest
+    ``accumulative_counts`` (each wrapper closes its own window, see AccelkitOptimWrapper),
+    clipping and AMP as they all say, or a :class:`ConfigError` naming the ones that differ."""
+    if not read:
+        return TrainingSettings(several=("",))
+    names = list(read)
+    first = read[names[0]]
+    for key, what in _SHARED_SETTINGS.items():
+        values = {name: getattr(s, key) for name, s in read.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            raise ConfigError(
+                f"the optimizer wrappers of this OptimWrapperDict differ in {what} "
+                f"({', '.join(f'{n}: {v!r}' for n, v in values.items())}); accelkit applies "
+                "clipping and mixed precision to the whole Accelerator, so give every wrapper "
+                "the same (accumulative_counts may differ)"
+            )
+    return dataclasses.replace(
+        first,
+        accumulation_steps=max(s.accumulation_steps for s in read.values()),
+        several=tuple(names),
+    )
+
+
+def backend_class(backend: str) -> tuple[type, dict[str, Any]]:
+    """The class of the backend ``backend`` resolves to (``auto`` picks one), and the defaults
+    its registered name sets (an alias's). Imports the backend's module, never builds it."""
     from accelkit import registry
 
     host = registry.host()
@@ -323,6 +385,13 @@ def backend_option_names(backend: str) -> tuple[frozenset[str], dict[str, Any]]:
         spec = host.resolve(other)
         cls = spec.load_class()
         defaults = dict(spec.defaults)
+    return cls, defaults
+
+
+def backend_option_names(backend: str) -> tuple[frozenset[str], dict[str, Any]]:
+    """The option names of the backend ``backend`` resolves to (``auto`` picks one), and the
+    defaults its registered name sets (an alias's)."""
+    cls, defaults = backend_class(backend)
     options_class = getattr(cls, "options_class", None)
     if options_class is None or not dataclasses.is_dataclass(options_class):
         return frozenset(), defaults
@@ -370,6 +439,8 @@ def mmengine_wrapper_options(
         )
     wrapper = dict(model_wrapper_cfg)
     wrapper_type = _type_name(wrapper.pop("type", "MMDistributedDataParallel"))
+    if wrapper_type == _SEPARATE_DDP and "broadcast_buffers" in names:
+        wrapper.setdefault("broadcast_buffers", False)  # its default (torch's is True)
     for key in _PLACEMENT_KEYS:
         wrapper.pop(key, None)
     carried = wrapper_type in _DDP_WRAPPER_TYPES and set(wrapper) <= names

@@ -49,6 +49,87 @@ TENSOR_EXTRA_KEY = "mmengine_tensors"
 MANIFEST = "accelkit.json"
 #: the names the adapter gives the model and the optimizer in a portable checkpoint
 MODEL_OBJECT, OPTIMIZER_OBJECT = "model", "optimizer"
+#: several optimizers (an OptimWrapperDict): each submodule set up on its own is the object
+#: ``model.<submodule>``, each wrapper's optimizer ``optimizer.<wrapper name>``, and the rest
+#: of the model (its own tensors, submodules no optimizer trains) ``model`` where it has any
+PART_PREFIX, OPTIMIZER_PREFIX = f"{MODEL_OBJECT}.", f"{OPTIMIZER_OBJECT}."
+
+
+def checkpoint_objects(
+    model: torch.nn.Module,
+    parts: dict[str, torch.nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+) -> dict[str, Any]:
+    """The objects ``accel.save``/``accel.load`` get for a model and its optimizers.
+
+    One optimizer: ``{"model": model, "optimizer": opt}`` (``optimizers`` keyed ``""``).
+    Several: see :data:`PART_PREFIX`."""
+    if not parts:
+        objects: dict[str, Any] = {MODEL_OBJECT: model}
+        objects.update((OPTIMIZER_OBJECT, opt) for opt in optimizers.values())
+        return objects
+    objects = {}
+    rest = _remainder(model, parts)
+    if rest is not None:
+        objects[MODEL_OBJECT] = rest
+    objects.update((PART_PREFIX + name, part) for name, part in parts.items())
+    objects.update((OPTIMIZER_PREFIX + name, opt) for name, opt in optimizers.items())
+    return objects
+
+
+def _remainder(model: torch.nn.Module, parts: dict[str, torch.nn.Module]) -> Any:
+    """A module sharing ``model``'s own tensors and the submodules not in ``parts`` (None when
+    that holds no tensor): what a several-optimizer checkpoint keeps beside the parts."""
+    rest = torch.nn.Module()
+    rest._parameters = model._parameters
+    rest._buffers = model._buffers
+    rest._non_persistent_buffers_set = model._non_persistent_buffers_set
+    for name, child in model._modules.items():
+        if name not in parts and child is not None:
+            rest._modules[name] = child
+    return rest if rest.state_dict() else None
+
+
+#: a small text file in every checkpoint directory the adapter writes: MMEngine's own loader
+#: (``load_checkpoint`` without accelkit imported: ``tools/test.py`` with the old config) says
+#: only "epoch_2.pth can not be found." for a directory; its listing then says what it is
+MARKER = "THIS_IS_AN_ACCELKIT_CHECKPOINT.txt"
+MARKER_TEXT = """\
+This directory is an accelkit portable checkpoint, written by MMEngine's Runner on accelkit
+(AccelkitRunner / AccelkitStrategy): accelkit.json (the manifest), rank-NNNNN.safetensors (each
+rank's tensors), extra.json (MMEngine's meta, message hub and scheduler states).
+
+MMEngine's own loader expects a file here; without accelkit it reports
+"<this path> can not be found." To open this directory:
+
+- in the config:   custom_imports = dict(imports=["accelkit.integrations.mmengine"])
+  (or `import accelkit.integrations.mmengine` in your script): then load_checkpoint,
+  tools/test.py, load_from, resume and the inferencers read it as MMEngine's .pth;
+- without accelkit: export MMEngine's file once with
+      accelkit convert {name} {stem}_mmengine.pth --to mmengine
+  or save it with every checkpoint: CheckpointHook(save_format="both") (or "pth").
+"""
+
+
+def write_marker(accel: Accelerator, path: str | os.PathLike) -> None:
+    """Rank 0 puts :data:`MARKER` into the local checkpoint directory ``path`` it just wrote."""
+    path = os.fspath(path)
+    if accel.rank != 0 or path.startswith("s3://") or not os.path.isdir(path):
+        return
+    name = os.path.basename(path.rstrip(os.sep))
+    text = MARKER_TEXT.format(name=name, stem=os.path.splitext(name)[0])
+    try:
+        Path(path, MARKER).write_text(text)
+    except OSError as err:  # the checkpoint itself is complete; the marker only explains it
+        log.warning("could not write %s into %s: %s", MARKER, path, err)
+
+
+def saved_parts(path: str | os.PathLike) -> list[str]:
+    """The submodules a several-optimizer checkpoint holds one by one ([] for one optimizer)."""
+    from accelkit.checkpoint import read_manifest
+
+    objects = read_manifest(path).objects
+    return [n[len(PART_PREFIX) :] for n in objects if n.startswith(PART_PREFIX)]
 
 
 # ---- tagged JSON --------------------------------------------------------------------------------
@@ -198,25 +279,23 @@ def save(
     accel: Accelerator,
     path: str | os.PathLike,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    objects: dict[str, Any],
     checkpoint: dict[str, Any],
     step: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``model`` (and ``optimizer``) fragments plus MMEngine's ``checkpoint`` dict
-    (``storage_options``: an ``s3://`` path's, from ``backend_args``).
+    """Write the fragments of ``objects`` (:func:`checkpoint_objects`) plus MMEngine's
+    ``checkpoint`` dict (``storage_options``: an ``s3://`` path's, from ``backend_args``).
 
     The dict (meta, message hub, scheduler states, what hooks added) becomes tagged JSON with
     MMEngine's types; the tensors in it (a tensor metric in the message hub, EMAHook's
     ``ema_state_dict``) are stored as tensors, referenced from the JSON.
     """
-    state: dict[str, Any] = {"model": model}
-    if optimizer is not None:
-        state["optimizer"] = optimizer
+    state: dict[str, Any] = dict(objects)
     state[EXTRA_KEY] = encode_lenient(checkpoint, "checkpoint", keep_tensors=True)
     options = {} if storage_options is None else {"storage_options": storage_options}
     accel.save(path, state, step=step, **options)
+    write_marker(accel, path)
 
 
 def save_before_setup(
@@ -261,6 +340,7 @@ def save_before_setup(
         with local_paths(None, os.fspath(path), storage_options) as (_, local, publish):
             write_portable(imported, local, progress=False)
             publish(local)
+        write_marker(accel, path)
     accel.barrier()
 
 
@@ -268,15 +348,14 @@ def load(
     accel: Accelerator,
     path: str | os.PathLike,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    objects: dict[str, Any],
     strict: bool,
+    rng: bool,
 ) -> dict[str, Any]:
-    """Fill ``model`` (and ``optimizer``) from a portable checkpoint; return MMEngine's dict."""
-    state: dict[str, Any] = {"model": model}
-    if optimizer is not None:
-        state["optimizer"] = optimizer
-    return mmengine_state(accel.load(path, state, strict=strict) or {})
+    """Fill ``objects`` (:func:`checkpoint_objects`) from a portable checkpoint; return
+    MMEngine's dict. ``rng``: restore the random state too (a resume; never ``load_from``,
+    which keeps the new run's seed, as MMEngine's does)."""
+    return mmengine_state(accel.load(path, dict(objects), strict=strict, rng=rng) or {})
 
 
 def mmengine_state(extras: dict[str, Any]) -> dict[str, Any]:
@@ -500,7 +579,12 @@ def read_as_mmengine(src: str | os.PathLike) -> dict[str, Any]:
 
     with CheckpointReader(src) as reader:
         objects = reader.manifest.objects
-        if EXTRA_KEY not in objects or objects.get(MODEL_OBJECT, {}).get("type") != "module":
+        modules = [
+            n
+            for n, info in objects.items()
+            if (n == MODEL_OBJECT or n.startswith(PART_PREFIX)) and info.get("type") == "module"
+        ]
+        if EXTRA_KEY not in objects or not modules:
             raise CheckpointError(
                 f"{reader.directory}: not a checkpoint of accelkit's MMEngine adapter (it has no "
                 f"{MODEL_OBJECT!r} module and {EXTRA_KEY!r} extra; objects: {sorted(objects)}). "
@@ -508,13 +592,25 @@ def read_as_mmengine(src: str | os.PathLike) -> dict[str, Any]:
             )
         checkpoint = mmengine_state(reader.extras())
         state_dict: dict[str, torch.Tensor] = {}
-        for entry in reader.entries(MODEL_OBJECT):
-            if entry.kind in ("param", "buffer"):
-                tensor = reader.read(entry)
-                for name in (entry.fqn, *entry.aliases):
-                    state_dict[name] = tensor
+        for module in modules:  # several optimizers: the parts under their submodule's name
+            prefix = "" if module == MODEL_OBJECT else module[len(PART_PREFIX) :] + "."
+            for entry in reader.entries(module):
+                if entry.kind in ("param", "buffer"):
+                    tensor = reader.read(entry)
+                    for name in (entry.fqn, *entry.aliases):
+                        state_dict[prefix + name] = tensor
         if objects.get(OPTIMIZER_OBJECT, {}).get("type") == "optimizer":
             checkpoint["optimizer"] = _torch_optimizer_state(reader, OPTIMIZER_OBJECT, decode_json)
+        several = [
+            n
+            for n, info in objects.items()
+            if n.startswith(OPTIMIZER_PREFIX) and info.get("type") == "optimizer"
+        ]
+        if several:  # OptimWrapperDict.state_dict(): one torch state dict per wrapper
+            checkpoint["optimizer"] = {
+                n[len(OPTIMIZER_PREFIX) :]: _torch_optimizer_state(reader, n, decode_json)
+                for n in several
+            }
         reader.finish()  # every checksum verified before anything is handed out
     ema = checkpoint.get("ema_state_dict")
     if isinstance(ema, dict):

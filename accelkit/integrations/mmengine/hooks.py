@@ -34,6 +34,7 @@ from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
 
 from accelkit.errors import ConfigError
+from accelkit.integrations.mmengine.object_storage import check_backend_args
 from accelkit.log import LOGGER_NAME
 
 #: what ``AccelkitCheckpointHook(save_format=...)`` takes
@@ -97,6 +98,8 @@ class AccelkitCheckpointHook(CheckpointHook):
     def __init__(self, *args: Any, save_format: str = "accelkit", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.save_format = check_save_format(save_format)
+        # before anything is written: refused when the runner is built, not at the first save
+        check_backend_args(self.backend_args, "CheckpointHook backend_args")
 
     def before_run(self, runner: Any) -> None:
         super().before_run(runner)
@@ -209,3 +212,4 @@ def use_safe_rotation(hooks: list[Any]) -> None:
         if type(hook) is CheckpointHook:
             hook.__class__ = AccelkitCheckpointHook
             hook.save_format = check_save_format(hook.args.pop("save_format", "accelkit"))
+            check_backend_args(hook.backend_args, "CheckpointHook backend_args")

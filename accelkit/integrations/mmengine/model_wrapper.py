@@ -59,6 +59,33 @@ def _module_handed_in(accelerator: Accelerator, wrapped: torch.nn.Module, model:
     return model
 
 
+def user_state_dict(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    parts: dict[str, torch.nn.Module],
+    *,
+    full: bool,
+) -> dict[str, Any]:
+    """The state dict of a model whose submodules ``parts`` were set up one by one, under the
+    user's names (no backend wrapper's ``module.``), in ``model.state_dict()``'s order.
+
+    ``full``: gather the parts' whole tensors (sharded backends); otherwise the local ones."""
+    state: dict[str, Any] = {}
+    model._save_to_state_dict(state, "", False)  # the model's own parameters and buffers
+    for name, child in model._modules.items():
+        if child is None:
+            continue
+        if name in parts:
+            part = parts[name]
+            inner = (
+                accelerator.full_state_dict(part) if full else accelerator.unwrap(part).state_dict()
+            )
+        else:
+            inner = child.state_dict()
+        state.update((f"{name}.{key}", value) for key, value in inner.items())
+    return state
+
+
 @MODEL_WRAPPERS.register_module()
 class AccelkitModelWrapper(torch.nn.Module):
     """The model from ``accel.setup`` seen through MMEngine's model-wrapper interface.
@@ -76,12 +103,17 @@ class AccelkitModelWrapper(torch.nn.Module):
         accelerator: Accelerator,
         model: torch.nn.Module,
         module: torch.nn.Module | None = None,
+        parts: dict[str, torch.nn.Module] | None = None,
     ) -> None:
         super().__init__()
         # plain attributes, not submodules: ``module`` is the one child, as in MMEngine's
         # wrappers (``named_parameters`` gives ``module.<name>``)
         object.__setattr__(self, "accelerator", accelerator)
         object.__setattr__(self, "wrapped", model)
+        #: several optimizers: the submodules of the model set up one by one (name -> what
+        #: ``setup`` returned, also in the model in their place), as MMEngine's
+        #: MMSeparateDistributedDataParallel wraps them; empty for one optimizer
+        object.__setattr__(self, "parts", dict(parts or {}))
         self.module = _module_handed_in(accelerator, model, module)
         object.__setattr__(self, "_setup_module", self.module)
 
@@ -160,7 +192,11 @@ class AccelkitModelWrapper(torch.nn.Module):
         ``destination`` under ``prefix``, as the user's model there would."""
         if args:
             raise TypeError("AccelkitModelWrapper.state_dict takes keyword arguments only")
-        state = self.accelerator.full_state_dict(self.wrapped)
+        state = (
+            user_state_dict(self.accelerator, self.wrapped, self.parts, full=True)
+            if self.parts
+            else self.accelerator.full_state_dict(self.wrapped)
+        )
         if destination is None:
             return state
         for key, value in state.items():

@@ -31,12 +31,41 @@ from mmengine.fileio.backends import BaseStorageBackend
 from accelkit.checkpoint.format.manifest import MANIFEST_NAME
 from accelkit.checkpoint.store import s3 as remote
 from accelkit.checkpoint.store import s3_client as objectstore
+from accelkit.errors import ConfigError
 
 BACKEND_NAME = "accelkit_s3"
 
 
+#: MMEngine file backends accelkit's checkpoints go through: the local disk, and its own S3
+WRITTEN_THROUGH = ("local", "disk", BACKEND_NAME)
+
+
+def check_backend_args(backend_args: Any, where: str = "backend_args") -> None:
+    """Refuse a ``backend_args`` naming a file backend accelkit does not write checkpoints
+    through (Petrel, HTTP, LMDB, memcached, a project's own): MMEngine writes through it (or
+    raises when its client is missing); accelkit would write elsewhere without saying so."""
+    if not backend_args:
+        return
+    if not hasattr(backend_args, "get"):
+        raise ConfigError(f"{where} must be a dict, got {type(backend_args).__name__}")
+    backend = backend_args.get("backend")
+    if backend is None or backend in WRITTEN_THROUGH:
+        return
+    raise ConfigError(
+        f"{where}=dict(backend={backend!r}, ...) names MMEngine's {backend!r} file backend, "
+        "which accelkit's checkpoints are not written through: a local out_dir would be "
+        "written to the local disk instead, not where that backend writes. For the local disk "
+        "leave out backend_args (or backend='local'); for S3-compatible object storage set "
+        "out_dir='s3://bucket/prefix' and backend_args=dict(backend='accelkit_s3', "
+        "endpoint_url=..., ...) (accelkit's commit protocol); otherwise train with MMEngine's "
+        "own CheckpointHook and Runner, which write through that backend"
+    )
+
+
 def storage_options(backend_args: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``backend_args`` less MMEngine's ``backend`` key: the object store's options."""
+    """``backend_args`` less MMEngine's ``backend`` key: the object store's options. A backend
+    accelkit does not write through is refused (:func:`check_backend_args`)."""
+    check_backend_args(backend_args)
     if not backend_args:
         return None
     options = {k: v for k, v in backend_args.items() if k != "backend"}

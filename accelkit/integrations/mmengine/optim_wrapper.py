@@ -55,10 +55,19 @@ class AccelkitOptimWrapper(OptimWrapper):
 
     # ---- binding ------------------------------------------------------------------------------
     def attach(
-        self, accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        accelerator: Accelerator,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        one_of_several: bool = False,
     ) -> None:
-        """Use ``optimizer`` (from ``accel.setup``) and route every update through ``accelerator``."""
-        if accelerator.accumulation_steps != self._accumulative_counts:
+        """Use ``optimizer`` (from ``accel.setup``) and route every update through ``accelerator``.
+
+        ``one_of_several``: a wrapper of an ``OptimWrapperDict``, whose ``accumulative_counts``
+        may be smaller than the Accelerator's (which accumulates over the largest of them)."""
+        counts, steps = self._accumulative_counts, accelerator.accumulation_steps
+        if counts != steps and not (one_of_several and counts < steps):
             raise ConfigError(
                 f"the accelerator accumulates over {accelerator.accumulation_steps} micro-batches "
                 f"but optim_wrapper says accumulative_counts={self._accumulative_counts}"
@@ -80,7 +89,9 @@ class AccelkitOptimWrapper(OptimWrapper):
         """Put the Accelerator's window where MMEngine's counter is.
 
         ``counted`` micro-batches of the current window have been counted by accelkit already;
-        ``closes`` says whether the micro-batch about to be counted ends the window.
+        ``closes`` says whether the micro-batch about to be counted ends the window. A wrapper
+        of an ``OptimWrapperDict`` that accumulates over fewer micro-batches than the
+        Accelerator keeps its open window at 0 (counting one more never closes it).
         """
         accel = self._accel
         n = accel.accumulation_steps
@@ -88,7 +99,10 @@ class AccelkitOptimWrapper(OptimWrapper):
         key = id(self.optimizer)
         if windows is None or key not in windows:
             raise UnsupportedError("this Accelerator does not expose its accumulation window")
-        windows[key].micro = n - 1 if closes else counted % n
+        if closes:
+            windows[key].micro = n - 1
+        else:
+            windows[key].micro = counted % n if self._accumulative_counts == n else 0
 
     # ---- MMEngine's API -----------------------------------------------------------------------
     def _loss_factor(self) -> int:
@@ -164,6 +178,83 @@ class AccelkitOptimWrapper(OptimWrapper):
 
 
 _ON_ACCELKIT: dict[type, type] = {}
+
+
+def adopt_built(wrapper: Any, settings: Any) -> Any:
+    """What MMEngine's ``build_optim_wrapper`` returned, on accelkit: an
+    :class:`AccelkitOptimWrapper`, or an ``OptimWrapperDict`` whose wrappers are (one a
+    several-optimizer constructor built as ``OptimWrapper`` is moved onto accelkit by
+    :func:`adopt`), with the clipping, AMP and accumulation the Accelerator was built with."""
+    from mmengine.optim import OptimWrapperDict
+
+    from accelkit.integrations.mmengine._settings import read_optim_wrapper_cfg
+
+    if not isinstance(wrapper, OptimWrapperDict):
+        if not isinstance(wrapper, AccelkitOptimWrapper):
+            raise ConfigError(
+                f"optim_wrapper built a {type(wrapper).__name__}, which accelkit cannot drive; "
+                "build an OptimWrapper (or an OptimWrapperDict of them)"
+            )
+        return wrapper
+    if settings is not None and not settings.several:
+        raise ConfigError(
+            "optim_wrapper's constructor built an OptimWrapperDict (several optimizers) from a "
+            "config the Runner read as one optimizer: give the several-optimizer config "
+            "without a top-level 'optimizer' (its constructor and one entry per optimizer)"
+        )
+    for name, inner in wrapper.items():
+        built = {"accumulative_counts": inner._accumulative_counts}
+        plain = isinstance(inner, AccelkitOptimWrapper)
+        adopted = adopt(inner)
+        if not plain and settings is not None:
+            _, read = read_optim_wrapper_cfg(
+                dict(optimizer=adopted.optimizer, clip_grad=_clip_cfg(adopted), **built)
+            )
+            for key in ("max_grad_norm", "max_grad_value", "precision"):
+                if getattr(read, key) != getattr(settings, key):
+                    raise ConfigError(
+                        f"optim_wrapper[{name!r}], built by the constructor, has {key}="
+                        f"{getattr(read, key)!r} where the Accelerator was built with "
+                        f"{getattr(settings, key)!r} (from the config's entries): give "
+                        "every entry its optimizer wrapper config (type, clip_grad, "
+                        "accumulative_counts) as the constructor builds it"
+                    )
+        if settings is not None and adopted._accumulative_counts > settings.accumulation_steps:
+            raise ConfigError(
+                f"optim_wrapper[{name!r}] accumulates over {adopted._accumulative_counts} "
+                f"micro-batches, more than the {settings.accumulation_steps} the Accelerator "
+                "was built for from the config: set accumulative_counts in the config's entries"
+            )
+    return wrapper
+
+
+def _clip_cfg(wrapper: OptimWrapper) -> dict | None:
+    clip = dict(getattr(wrapper, "clip_grad_kwargs", None) or {})
+    if not clip:
+        return None
+    clip["type"] = "norm" if wrapper.clip_func is torch.nn.utils.clip_grad_norm_ else "value"
+    return clip
+
+
+def adopt(wrapper: OptimWrapper) -> AccelkitOptimWrapper:
+    """A wrapper a several-optimizer constructor built without accelkit, moved onto it.
+
+    ``OptimWrapper`` and its subclasses become their :func:`on_accelkit` class in place (the
+    same object, its arguments kept); what accelkit's backend does instead (AMP, a library's
+    own wrapper) is refused, as for ``optim_wrapper=dict(type=...)``."""
+    if isinstance(wrapper, AccelkitOptimWrapper):
+        return wrapper
+    from accelkit.integrations.mmengine._settings import optim_wrapper_subclass
+
+    cls = (
+        AccelkitOptimWrapper
+        if type(wrapper) is OptimWrapper
+        else optim_wrapper_subclass(type(wrapper))
+    )
+    wrapper.__class__ = cls
+    wrapper.accelerator = None
+    wrapper._model = None
+    return wrapper  # type: ignore[return-value]
 
 
 def on_accelkit(wrapper_class: type[OptimWrapper]) -> type[AccelkitOptimWrapper]:

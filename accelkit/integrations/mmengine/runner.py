@@ -22,8 +22,9 @@ from typing import Any
 import mmengine
 import torch
 from mmengine.model import convert_sync_batchnorm, revert_sync_batchnorm
+from mmengine.optim import OptimWrapperDict
 from mmengine.registry import RUNNERS
-from mmengine.runner import Runner
+from mmengine.runner import BaseLoop, Runner
 from mmengine.utils import get_git_hash
 
 from accelkit.errors import ConfigError, UnsupportedError
@@ -33,7 +34,11 @@ from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
 from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook, use_safe_rotation
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
-from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
+from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper, adopt_built
+
+
+def _wrappers(optim_wrapper: Any) -> list[Any]:
+    return list(optim_wrapper.values()) if isinstance(optim_wrapper, OptimWrapperDict) else []
 
 
 @RUNNERS.register_module()
@@ -51,7 +56,7 @@ class AccelkitRunner(Runner):
         self._weights_initialised = False
         self._optim_settings: Any = None
         #: the wrapper the model was set up with (None: not set up, or for evaluation only)
-        self._setup_wrapper: AccelkitOptimWrapper | None = None
+        self._setup_wrapper: Any = None
         #: inside train(): building the optimizer wrapper sets the model up with it
         self._in_train = False
         super().__init__(*args, **kwargs)
@@ -123,7 +128,7 @@ class AccelkitRunner(Runner):
                     return module
         return None
 
-    def _setup_model(self, optim_wrapper: AccelkitOptimWrapper | None) -> None:
+    def _setup_model(self, optim_wrapper: Any) -> None:
         if self._set_up_model() is not None:
             if optim_wrapper is None or optim_wrapper is self._setup_wrapper:
                 return
@@ -139,7 +144,10 @@ class AccelkitRunner(Runner):
             )
         if optim_wrapper is not None:  # MMEngine's val()/test() never initialise
             self._init_model_weights()  # before setup: a sharded model cannot be re-initialised
-        self.model = self._bridge.setup(self.model, optim_wrapper)
+        micro_batch = None
+        if optim_wrapper is not None and isinstance(self._train_loop, BaseLoop):
+            micro_batch = getattr(self._train_loop.dataloader, "batch_size", None)
+        self.model = self._bridge.setup(self.model, optim_wrapper, micro_batch=micro_batch)
         self._setup_wrapper = optim_wrapper
         self._bridge.check_hooks(self._hooks, self.model)  # before before_run builds EMAHook's copy
 
@@ -155,8 +163,10 @@ class AccelkitRunner(Runner):
             self._setup_model(wrapper)
         return wrapper
 
-    def _build_optim_wrapper(self, optim_wrapper: Any) -> AccelkitOptimWrapper:
-        if isinstance(optim_wrapper, AccelkitOptimWrapper):
+    def _build_optim_wrapper(self, optim_wrapper: Any) -> Any:
+        if isinstance(optim_wrapper, (AccelkitOptimWrapper, OptimWrapperDict)) and all(
+            isinstance(w, AccelkitOptimWrapper) for w in _wrappers(optim_wrapper)
+        ):
             return optim_wrapper
         if optim_wrapper is not self.optim_wrapper:
             optim_wrapper, settings = read_optim_wrapper_cfg(optim_wrapper)
@@ -168,14 +178,7 @@ class AccelkitRunner(Runner):
                     "the config's optim_wrapper instead"
                 )
         wrapper = super().build_optim_wrapper(optim_wrapper)
-        if not isinstance(wrapper, AccelkitOptimWrapper):  # a constructor built several
-            raise ConfigError(
-                f"optim_wrapper built a {type(wrapper).__name__}: accelkit's MMEngine adapter "
-                "trains one optimizer per model (several optimizers, an OptimWrapperDict, are not "
-                "supported yet); configure one optimizer, or train this model with MMEngine's "
-                "own Runner"
-            )
-        return wrapper
+        return adopt_built(wrapper, self._optim_settings)
 
     def train(self) -> Any:
         self._in_train = True
@@ -245,6 +248,7 @@ class AccelkitRunner(Runner):
             strict=strict or resuming,
             revise_keys=revise_keys,
             before_model=lambda c: self.call_hook("after_load_checkpoint", checkpoint=c),
+            resume=resuming,
         )
         self._has_loaded = True
         self.logger.info(f"Load checkpoint from {filename}")
@@ -314,8 +318,8 @@ class AccelkitRunner(Runner):
             lambda c: self.call_hook("before_save_checkpoint", checkpoint=c), checkpoint
         )
         optim_wrapper = self.optim_wrapper if save_optimizer else None
-        if optim_wrapper is not None and not isinstance(optim_wrapper, AccelkitOptimWrapper):
-            optim_wrapper = None
+        if not isinstance(optim_wrapper, (AccelkitOptimWrapper, OptimWrapperDict)):
+            optim_wrapper = None  # a config not built yet
         self._bridge.save(
             os.path.join(out_dir, filename), model, optim_wrapper, checkpoint, options
         )

@@ -25,6 +25,7 @@ from mmengine.utils import get_git_hash
 
 from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
+from accelkit.integrations.mmengine.optim_wrapper import adopt_built
 
 _BASE_KEYS = ("work_dir", "experiment_name", "env_kwargs", "log_kwargs", "auto_scale_lr")
 
@@ -97,8 +98,11 @@ class AccelkitStrategy(BaseStrategy):
             model = self._init_model_weights(model)
         wrapper = None
         if optim_cfg is not None:
-            wrapper = self.optim_wrapper = self.build_optim_wrapper(optim_cfg, model)
-        self.model = self._bridge.setup(model, wrapper)
+            wrapper = adopt_built(self.build_optim_wrapper(optim_cfg, model), settings)
+            self.optim_wrapper = wrapper
+        self.model = self._bridge.setup(
+            model, wrapper, micro_batch=self.dispatch_kwargs.get("train_micro_batch_size_per_gpu")
+        )
         self.model = self.compile_model(self.model, compile=compile)
         if wrapper is not None:
             self._scale_lr()
@@ -127,6 +131,7 @@ class AccelkitStrategy(BaseStrategy):
             strict=strict,
             revise_keys=revise_keys,
             before_model=callback,
+            resume=False,  # load_from: the weights, never the random state
         )
 
     def resume(
@@ -147,6 +152,7 @@ class AccelkitStrategy(BaseStrategy):
             strict=True,
             revise_keys=[(r"^module.", "")],
             before_model=callback,
+            resume=True,
         )
         if resume_param_scheduler and hasattr(self, "param_schedulers"):
             if "param_schedulers" in checkpoint:

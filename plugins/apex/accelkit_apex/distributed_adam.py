@@ -99,7 +99,14 @@ DISTRIBUTED_ADAM_DTYPES: dict[str, DtypeRow] = {
 class DistributedAdamBackend(DistributedBackend, ApexBackend):
     """ZeRO-2 through Apex's DistributedFusedAdam; the model stays unwrapped."""
 
-    capabilities = Capabilities(no_sync=True, sharded=True, distributed=True, compile=False)
+    capabilities = Capabilities(
+        # one DistributedFusedAdam per Accelerator
+        several_optimizers=False,
+        no_sync=True,
+        sharded=True,
+        distributed=True,
+        compile=False,
+    )
     options_class = DistributedAdamOptions
     dtype_table = DISTRIBUTED_ADAM_DTYPES
 

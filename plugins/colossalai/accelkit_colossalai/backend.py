@@ -55,6 +55,8 @@ class ColossalAIBackend(DistributedBackend):
     """What the four ColossalAI backends share. Subclasses build their plugin."""
 
     capabilities = Capabilities(
+        # one model per Booster: its parts cannot each be set up with an optimizer
+        several_optimizers=False,
         controls_precision=True,
         controls_device=True,
         distributed=True,
@@ -334,6 +336,8 @@ class ColossalDDPBackend(ColossalAIBackend):
     runs it as on ``ddp`` (autocast, GradScaler, or weights cast for ``-true``)."""
 
     capabilities = Capabilities(
+        # one model per Booster: its parts cannot each be set up with an optimizer
+        several_optimizers=False,
         controls_precision=False,
         controls_device=True,
         no_sync=True,
@@ -391,6 +395,8 @@ class ColossalZeroBackend(ColossalAIBackend):
     (gradients too), each parameter split evenly (padded) across ranks."""
 
     capabilities = Capabilities(
+        # one model per Booster: its parts cannot each be set up with an optimizer
+        several_optimizers=False,
         controls_precision=True,
         controls_device=True,
         no_sync=False,
@@ -451,6 +457,8 @@ class ColossalGeminiBackend(ColossalAIBackend):
     sharded across ranks and placed on GPU or CPU by the placement policy."""
 
     capabilities = Capabilities(
+        # one model per Booster: its parts cannot each be set up with an optimizer
+        several_optimizers=False,
         controls_precision=True,
         controls_device=True,
         no_sync=False,
@@ -571,6 +579,8 @@ class ColossalHybridBackend(ColossalAIBackend):
     plain or ZeRO 1/2. ``setup_dataloader`` shards data by the data-parallel rank."""
 
     capabilities = Capabilities(
+        # one model per Booster: its parts cannot each be set up with an optimizer
+        several_optimizers=False,
         controls_precision=True,
         controls_device=True,
         no_sync=True,

@@ -83,6 +83,10 @@ class DeepSpeedBackend(DistributedBackend):
     """``deepspeed``, ``deepspeed_stage_1/2/3`` and ``deepspeed_stage_3_offload``."""
 
     capabilities = Capabilities(
+        # one engine per set-up model, each with one optimizer: offered to loops that set up
+        # each model themselves (tests/test_multi_model.py), not for a framework's several
+        # optimizers over one model's parts (MMEngine's OptimWrapperDict; untested there)
+        several_optimizers=False,
         controls_precision=True,
         controls_device=True,
         scales_loss_for_accumulation=True,
