@@ -46,12 +46,67 @@ def get(
             and ``pipeline`` (``dict(schedule=, microbatches=, stages_per_rank=, split=)``);
             a backend without pipeline parallelism refuses ``pp > 1``, naming those with it.
     """
+    resolved = resolve(
+        name,
+        config,
+        precision=precision,
+        accumulation_steps=accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        seed=seed,
+        track_grad_norm=track_grad_norm,
+        max_grad_value=max_grad_value,
+        **options,
+    )
+    canonical, backend_options, settings = resolved.name, resolved.options, resolved.settings
+    if seed is not None:
+        seed_everything(seed)
+    configure()
+    backend = resolved.backend_class(canonical, backend_options, settings)
+    if settings.max_grad_value is not None and not backend.capabilities.manual_clip:
+        raise ConfigError(
+            f"backend {canonical!r} partitions the gradients inside its library's step, which "
+            "offers no clipping by value: max_grad_value is not available there. Use "
+            "max_grad_norm, or a backend whose gradients are whole before the step (cpu, cuda, "
+            "ddp, fsdp)."
+        )
+    _refuse_one_process_backend_under_launcher(canonical, backend.capabilities)
+    backend.launch()
+    return Accelerator(backend)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """What :func:`get` checked before it built anything: the backend class, the canonical name,
+    the validated options and the final settings."""
+
+    backend_class: type
+    name: str
+    options: Any
+    settings: Settings
+
+
+def resolve(
+    name: str = "auto",
+    config: Any = None,
+    *,
+    precision: str | None = None,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    seed: int | None = None,
+    track_grad_norm: bool = False,
+    max_grad_value: float | None = None,
+    **options: Any,
+) -> Resolved:
+    """Every check :func:`get` makes of its arguments (the name, the options, the precision
+    against the capabilities these options give), without building or launching the backend:
+    a ``ConfigError`` here is one ``get`` raises with the same arguments. The conformance suite
+    asks it whether each precision a backend advertises is accepted with its options."""
     host = registry.host()
     spec = host.resolve(name)
     backend_cls = spec.load_class()
     other = backend_cls.select_backend()
     if other is not None:  # "auto": a backend that picks another
-        return get(
+        return resolve(
             other,
             config,
             precision=precision,
@@ -88,20 +143,7 @@ def get(
     check_precision_supported(
         name, settings.precision or "32-true", backend_cls.capabilities_for(backend_options)
     )
-    if seed is not None:
-        seed_everything(seed)
-    configure()
-    backend = backend_cls(canonical, backend_options, settings)
-    if settings.max_grad_value is not None and not backend.capabilities.manual_clip:
-        raise ConfigError(
-            f"backend {canonical!r} partitions the gradients inside its library's step, which "
-            "offers no clipping by value: max_grad_value is not available there. Use "
-            "max_grad_norm, or a backend whose gradients are whole before the step (cpu, cuda, "
-            "ddp, fsdp)."
-        )
-    _refuse_one_process_backend_under_launcher(canonical, backend.capabilities)
-    backend.launch()
-    return Accelerator(backend)
+    return Resolved(backend_cls, canonical, backend_options, settings)
 
 
 def pipeline_backends() -> list[str]:

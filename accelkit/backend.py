@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -27,6 +27,7 @@ from accelkit.precision import (
     PRECISIONS,
     DtypeRow,
     Precision,
+    configurable_precisions,
     normalize_precision,
 )
 
@@ -148,6 +149,27 @@ class SetupResult:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
+@dataclass
+class OwnedState:
+    """An optimizer whose per-parameter state lives whole on the one rank that owns each
+    parameter (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, FairScale's ``OSS``), as
+    :meth:`Backend.owned_optimizer_state` describes it. With it, the default checkpoint hooks
+    save each parameter's state (tensors and other values) from its owner, read it back into
+    whichever rank owns the parameter now (any world size, any backend), and check a load
+    against the live state of every rank."""
+
+    #: the param groups over the module's parameters, the same on every rank: their
+    #: hyperparameters are saved and loaded, and their parameters name the state
+    groups: list[dict[str, Any]]
+    #: the live per-parameter state this rank holds (the local optimizer's ``state``)
+    state: dict[Any, dict[str, Any]]
+    #: whether this rank owns a parameter of ``groups`` (and so holds its state)
+    owns: Callable[[Any], bool]
+    #: the optimizer that steps the state: the checkpoint records its class and family, and its
+    #: param groups (one per group of ``groups``) get the loaded hyperparameters too
+    optimizer: Any
+
+
 class CheckpointDefaults(Protocol):
     """What :class:`Backend`'s three checkpoint hooks run unless a backend overrides them.
 
@@ -194,6 +216,20 @@ class Backend:
     options_class: ClassVar[type] = NoOptions
     #: precision string -> param/compute/master/reduce dtypes, published in docs
     dtype_table: ClassVar[dict[str, DtypeRow]] = NATIVE_DTYPES
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that inherits ``capabilities`` inherits only the precisions its own
+        ``options_class`` can configure: ``DDPBackend`` offers ``fp8-mixed`` with the ``fp8_*``
+        options of its ``TorchDDPOptions``, and a subclass on ``DDPOptions`` (no ``fp8_*``)
+        does not. A subclass that declares ``capabilities`` itself keeps what it declares (the
+        conformance suite checks it)."""
+        super().__init_subclass__(**kwargs)
+        if "capabilities" in cls.__dict__:
+            return
+        inherited = cls.capabilities.precisions
+        usable = configurable_precisions(inherited, cls.options_class)
+        if usable != inherited:
+            cls.capabilities = dataclasses.replace(cls.capabilities, precisions=usable)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -513,6 +549,17 @@ class Backend:
         verified, so only an I/O error should fail here. The default is
         :func:`accelkit.checkpoint.shards.dense.load_fragments`."""
         checkpoint_defaults().load_fragments(self, reader, state)
+
+    def owned_optimizer_state(self, optimizer: Any) -> OwnedState | None:
+        """Hook: where the state of ``optimizer`` lives, when each parameter's state is whole on
+        the one rank that owns it (ZeRO-1); None where the optimizer holds its own state.
+
+        Runs in the default :meth:`local_fragments`, :meth:`load_fragments` and
+        :meth:`check_load`, once per optimizer of the state, on every rank. Gets the optimizer
+        :meth:`setup` returned (accelkit's proxy taken off); returns an :class:`OwnedState`.
+        The default, None, keeps the dense behaviour: the optimizer's own ``state`` and groups,
+        the same on every rank (docs/plugins.md, "Optimizer state owned by one rank")."""
+        return None
 
     def check_load(self, reader: Any, state: dict[str, Any]) -> None:
         """Hook: raise :class:`~accelkit.errors.CheckpointError` if :meth:`load_fragments`

@@ -61,8 +61,11 @@ def accelkit_checkpoint_exporters() -> dict[str, Any]:
 def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
     """Return the per-device memory estimate (bytes, as a dict) of ``backend`` for a model, or None.
 
-    ``model_stats`` holds ``params``, ``trainable_params`` and ``activation_bytes``. Used by
-    ``accelkit plan``; the first plugin that knows the backend answers.
+    ``model_stats`` holds the model's counts (``params``, ``trainable_params``, ...), the traced
+    ``activation_bytes`` and ``step_peak(kind, ...)``; ``options`` holds ``world_size``,
+    ``precision``, ``optimizer``, ``device_type``, ``backend_options`` and ``mesh``: every key is
+    listed in docs/performance.md, "Writing the hook for a plugin". Used by ``accelkit plan``;
+    the first plugin that knows the backend answers.
     """
 
 

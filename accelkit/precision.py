@@ -25,6 +25,42 @@ FP8_MIXED = "fp8-mixed"
 NATIVE_PRECISIONS: tuple[str, ...] = (*PRECISIONS, FP8_MIXED)
 #: every precision string accelkit knows; a backend that does not list one refuses it
 KNOWN_PRECISIONS: tuple[str, ...] = NATIVE_PRECISIONS
+
+
+def precision_options(precision: str) -> type | None:
+    """The options class whose fields configure ``precision`` (``Float8Options`` and its
+    ``fp8_*`` fields for ``fp8-mixed``), or None where the precision takes no options.
+
+    A backend offers such a precision only if its ``options_class`` extends that class: a
+    subclass of a backend that drops the options loses the precision with them
+    (``Backend.__init_subclass__``), and the conformance suite fails a backend that lists it
+    without them."""
+    if precision == FP8_MIXED:
+        from accelkit.float8 import Float8Options
+
+        return Float8Options
+    return None
+
+
+#: per precision that takes options, options that differ from their defaults and are valid on
+#: every device it runs on: the conformance suite passes them with the precision
+PRECISION_EXAMPLE_OPTIONS: dict[str, dict[str, Any]] = {
+    FP8_MIXED: {"fp8_recipe": "rowwise", "fp8_min_features": 32, "fp8_skip_head": False},
+}
+
+
+def configurable_precisions(precisions: tuple[str, ...], options_class: Any) -> tuple[str, ...]:
+    """Those of ``precisions`` that a backend with ``options_class`` can configure."""
+    kept = []
+    for precision in precisions:
+        needed = precision_options(precision)
+        if needed is None or (
+            isinstance(options_class, type) and issubclass(options_class, needed)
+        ):
+            kept.append(precision)
+    return tuple(kept)
+
+
 _ALIASES = {
     "32": "32-true",
     "fp32": "32-true",

@@ -8,6 +8,7 @@ major number when a name here is removed or changes meaning, its minor one when 
 The groups:
 
 - the backend protocol: :class:`Backend` (its hooks are documented where they are declared),
+  :class:`OwnedState` (what ``Backend.owned_optimizer_state`` returns for a ZeRO-1 optimizer),
   :class:`Capabilities`, :class:`Settings`, :class:`SetupResult`, :class:`StepResult`, and the
   torch-native backends to build on (:class:`SingleDeviceBackend`, :class:`DDPBackend` with
   :class:`DDPWrapOptions` / :class:`CommHookOptions`, :class:`FSDPBackend`; docs/plugins.md,
@@ -25,6 +26,7 @@ The groups:
 - module transforms: :func:`apply_activation_checkpointing`, :func:`compile_in_place`,
   :func:`select_blocks`, and the ``wrap_policy`` option of FSDP-like backends
   (:func:`check_wrap_policy`, :func:`wrap_blocks`);
+- rebuilding the user's optimizer as a library's own (ZeRO-1): :func:`optimizer_recipe`;
 - the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
   layouts and the loaders of :mod:`accelkit.checkpoint.shards.sharded`, the codec, names, and the
   foreign-format import helpers of ``accelkit convert``;
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.5"
+SDK_VERSION = "1.6"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -55,6 +57,7 @@ _SOURCES: dict[str, str] = {
     "SetupResult": "accelkit.backend",
     "StepResult": "accelkit.backend",
     "NoOptions": "accelkit.backend",
+    "OwnedState": "accelkit.backend",
     "SingleDeviceBackend": "accelkit.backends.single",
     "device_available": "accelkit.backend_specs",
     "DDPBackend": "accelkit.backends.ddp",
@@ -101,6 +104,9 @@ _SOURCES: dict[str, str] = {
     "compile_in_place": "accelkit.modules",
     "select_blocks": "accelkit.modules",
     "wrap_blocks": "accelkit.modules",
+    # rebuilding a user's optimizer
+    "OptimizerRecipe": "accelkit.optim",
+    "optimizer_recipe": "accelkit.optim",
     # the checkpoint kit
     "BUFFER": "accelkit.checkpoint.shards.sharded",
     "Fragment": "accelkit.checkpoint.shards.sharded",
@@ -197,6 +203,7 @@ __all__ = [
     "SetupResult",
     "StepResult",
     "NoOptions",
+    "OwnedState",
     "SingleDeviceBackend",
     "device_available",
     "DDPBackend",
@@ -238,6 +245,8 @@ __all__ = [
     "compile_in_place",
     "select_blocks",
     "wrap_blocks",
+    "OptimizerRecipe",
+    "optimizer_recipe",
     "BUFFER",
     "Fragment",
     "Layout",
@@ -323,7 +332,15 @@ __all__ = [
 
 if TYPE_CHECKING:
     from accelkit._known_plugins import installed_versions
-    from accelkit.backend import Backend, Capabilities, NoOptions, Settings, SetupResult, StepResult
+    from accelkit.backend import (
+        Backend,
+        Capabilities,
+        NoOptions,
+        OwnedState,
+        Settings,
+        SetupResult,
+        StepResult,
+    )
     from accelkit.backend_specs import device_available
     from accelkit.backends.ddp import CommHookOptions, DDPBackend, DDPOptions, DDPWrapOptions
     from accelkit.backends.distributed import (
@@ -438,6 +455,7 @@ if TYPE_CHECKING:
         select_blocks,
         wrap_blocks,
     )
+    from accelkit.optim import OptimizerRecipe, optimizer_recipe
     from accelkit.pipeline import (
         PIPELINE_SCHEDULES,
         ZERO_BUBBLE_SCHEDULES,

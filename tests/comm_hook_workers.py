@@ -73,3 +73,32 @@ def ours(
     }
     accel.end_training()
     return out
+
+
+def bf16_on_gloo() -> dict[str, Any]:
+    """Raw torch on gloo: a bf16 all-reduce, then torch's bf16 compression hook."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    summed = torch.full((4,), dist.get_rank() + 1.0, dtype=torch.bfloat16)
+    dist.all_reduce(summed)
+    model = DistributedDataParallel(_net())
+    try:
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        refused = None
+    except Exception as err:
+        refused = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group()
+    return {"sum": summed.float().tolist(), "dtype": str(summed.dtype), "hook": refused}
+
+
+def bf16_hook_through_accelkit() -> str | None:
+    import accelkit
+
+    try:
+        accelkit.get("ddp", comm_hook="bf16", device="cpu")
+    except accelkit.ConfigError as err:
+        return str(err)
+    return None

@@ -163,6 +163,61 @@ def test_the_lossy_contract_holds_the_example_and_fails_what_breaks_it(tmp_path)
         sys.path.remove(str(tmp_path))
 
 
+# ---- the ZeRO-1 worked example of docs/plugins.md, "Writing a sharded backend" ---------------
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_zero1_example_is_at_most_60_lines_and_the_docs_say_how_many():
+    plugin = _docs_block("class Zero1Backend").split('if __name__ == "__main__":')[0]
+    lines = [line for line in plugin.splitlines() if line.strip()]
+    assert len(lines) <= 60, f"the ZeRO-1 example has {len(lines)} non-blank lines"
+    docs = (HERE.parent / "docs" / "plugins.md").read_text()
+    assert f"The plugin is the {len(lines)} non-blank lines above the `__main__` check" in docs
+
+
+@pytest.fixture
+def zero1_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "zero1_example.py").write_text(_docs_block("class Zero1Backend"))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the suite finds the plugin's module from here
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "twin, case, needle",
+    [
+        (
+            "zero1_drops_numbers",
+            "test_every_owners_optimizer_state_loads_on_another_backend",
+            r"does not load on cpu: .*lacks lr_total, taken",
+        ),
+        (
+            "zero1_empty_check",
+            "test_another_optimizers_checkpoint_is_refused_and_changes_nothing",
+            r"was accepted|KeyError: 'exp_avg'",
+        ),
+        (
+            "ddp_fp8_without_options",
+            "test_every_advertised_precision_and_option_is_accepted",
+            r"advertises precision 'fp8-mixed', but its options class DDPOptions lacks",
+        ),
+    ],
+)
+def test_each_broken_twin_of_the_zero1_example_fails_the_suite(zero1_folder, twin, case, needle):
+    """The example holds the case (the docs test runs its whole contract); the twin with one bug
+    fails it, saying what was lost."""
+    path = (str(zero1_folder), str(HERE))
+    common = {"path": path, "world_sizes": (2,)}
+    broken = conformance.backend_contract(twin, plugin="broken_zero1:BrokenPlugin", **common)()
+    with pytest.raises(AssertionError, match=needle):
+        getattr(broken, case)(1)
+    if twin.startswith("zero1"):
+        example = conformance.backend_contract(
+            "zero1", plugin="zero1_example:Zero1Plugin", **common
+        )()
+        getattr(example, case)(1)
+
+
 def test_a_ddp_subclass_on_the_wrap_options_has_no_comm_hook_option():
     import rank_state_workers  # CountingDDP: options_class = sdk.DDPWrapOptions
 

@@ -92,6 +92,13 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
 
     def launch(self) -> None:
         super().launch()
+        if getattr(self.options, "comm_hook", None) == "bf16" and self._device.type != "cuda":
+            # gloo all-reduces bf16 fine; it is torch's hook that checks for CUDA and NCCL
+            raise ConfigError(
+                f"{self.name}: comm_hook='bf16' needs CUDA with NCCL (torch's bf16 compression "
+                "hook refuses any other process group); on the CPU use comm_hook='fp16' or "
+                "'powersgd'"
+            )
         pipeline = self.settings.pipeline
         if pipeline is not None:
             from torch.distributed.device_mesh import init_device_mesh

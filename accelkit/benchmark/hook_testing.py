@@ -4,7 +4,8 @@ A bias-free ``Linear(1000, 1000)`` has exactly ``ONE_LINEAR_PARAMS`` parameters,
 write every term as ``bytes per parameter x 1,000,000`` and compare it with what the hook
 answers through the plugin manager, the way ``accelkit plan`` calls it. A hook must also answer
 without importing its backend's library: :func:`peaks_in_fresh_interpreter` asks in a new
-interpreter and reports what it imported.
+interpreter and reports what it imported. :func:`model_stats` (what the hook receives) is here
+too, so a plugin's hook test imports its tools from this one module.
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from accelkit.benchmark.memory import model_stats
 from accelkit.benchmark.workloads import Workload
+
+__all__ = [
+    "ONE_LINEAR",
+    "ONE_LINEAR_PARAMS",
+    "OneLinear",
+    "estimate_through_hooks",
+    "model_stats",
+    "peaks_in_fresh_interpreter",
+]
 
 ONE_LINEAR_PARAMS = 1_000_000
 

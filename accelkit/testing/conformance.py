@@ -21,7 +21,18 @@ or subclass :class:`BackendContract` and set its attributes (``backend``, ``opti
   the saved world size it continues within ``resume_tolerance`` (exact for a lossy backend);
 - a checkpoint with a flipped byte raises ``CheckpointError``;
 - listing the backend names imports neither the backend's library nor its module;
-- an unknown option and an unknown precision are ``ConfigError``s naming the value.
+- an unknown option and an unknown precision are ``ConfigError``s naming the value; every
+  precision the backend advertises is accepted with its options (``fp8-mixed`` with ``fp8_*``),
+  a precision's options exist only where the precision is advertised, and every option is
+  accepted at its default;
+- optimizer state survives a load on another backend: a run with a custom optimizer that keeps
+  non-tensor per-parameter state (:class:`~accelkit.testing.optimizers.TallyMomentum`) is saved
+  at the largest world size and loaded on ``resume_with``'s core backend, which must hold every
+  parameter's state, tensors and numbers, as the raw loop has it (a backend that keeps only one
+  rank's numbers fails);
+- a checkpoint of another optimizer (SGD with momentum, saved by the core backend) loaded into
+  the trained run is refused with ``CheckpointError``, and the run then goes on exactly as if it
+  had never been tried (the load changed nothing).
 
 Every rank-side part runs in fresh processes (:func:`accelkit.testing.run_ranks`), each launch
 once per class and world size; the tests assert on the cached results. One launch per class is
@@ -33,32 +44,32 @@ case is marked ``slow``.
 from __future__ import annotations
 
 import atexit
-import collections
-import importlib
 import json
 import math
 import shutil
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
 from accelkit.testing import _module_folders, run_ranks
+from accelkit.testing.contract_runs import (
+    ACCUMULATION,
+    CLIP,
+    SAVE_AT,
+    STEPS,
+    MLPWorkload,
+    _import,
+    raw_reference,
+)
 
 __all__ = ["BackendContract", "MLPWorkload", "backend_contract", "check_backend", "raw_reference"]
 
-#: micro-batches per optimizer step, optimizer steps per run, steps before the checkpoint
-ACCUMULATION = 2
-STEPS = 4
-SAVE_AT = 2
-#: below every pre-clip norm of the default workload (measured 0.43 to 1.77), so every step
-#: clips and a backend that ignores max_grad_norm fails
-CLIP = 0.3
-#: samples per global micro-batch: divisible by 1, 2 and 3 data-parallel ranks
-GLOBAL_BATCH = 6
+#: the module whose functions the ranks run
+RUNS = "accelkit.testing.contract_runs"
+
 #: (rtol, atol) of accelkit against the raw loop and of a resume against the unbroken run, per
 #: precision. 32-true, measured on torch 2.13 CPU (ddp and fsdp at 2 and 3 ranks against the raw
 #: loop; the all-reduce adds the ranks' gradients in another order than one process does):
@@ -73,269 +84,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bf16-true": (5e-2, 5e-3),
     "16-true": (1e-2, 1e-3),
 }
-
-
-class MLPWorkload:
-    """A tiny regression MLP trained with Adam: the default workload of the contract.
-
-    A workload is any class with these four methods; ``BackendContract.workload`` names it as
-    ``"module:Class"`` (a backend that only trains certain models brings its own). It must not
-    import accelkit: the raw reference runs it too.
-    """
-
-    seed = 1234
-
-    def build(self) -> Any:
-        import torch
-
-        torch.manual_seed(self.seed)
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-
-    def optimizer(self, params: Any) -> Any:
-        import torch
-
-        return torch.optim.Adam(params, lr=1e-2)
-
-    def batch(self, index: int) -> dict[str, Any]:
-        """Global micro-batch ``index`` (``GLOBAL_BATCH`` samples along the first dimension)."""
-        import torch
-
-        generator = torch.Generator().manual_seed(1000 + index)
-        x = torch.randn(GLOBAL_BATCH, 8, generator=generator)
-        return {"x": x, "y": x.sum(dim=1, keepdim=True).sin()}
-
-    def loss(self, model: Any, batch: dict[str, Any]) -> Any:
-        import torch
-
-        return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
-
-
-def _import(target: str) -> Any:
-    module_name, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
-
-
-def _flat_state(state: dict[str, Any]) -> dict[str, list[float]]:
-    return {k: v.detach().float().reshape(-1).cpu().tolist() for k, v in state.items()}
-
-
-# ---- the reference: raw PyTorch, nothing of accelkit ---------------------------------------
-def raw_reference(workload: str, steps: int = STEPS) -> dict[str, Any]:
-    """The loop the backend must reproduce, in one process on the global batch: each micro-batch's
-    loss divided by the accumulation steps, the total norm clipped to ``CLIP``, one step."""
-    import torch
-
-    work = _import(workload)()
-    model = work.build()
-    optimizer = work.optimizer(model.parameters())
-    losses, norms = [], []
-    for step in range(steps):
-        for micro in range(ACCUMULATION):
-            loss = work.loss(model, work.batch(step * ACCUMULATION + micro))
-            (loss / ACCUMULATION).backward()
-            losses.append(float(loss.detach()))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {"losses": losses, "norms": norms, "params": _flat_state(model.state_dict())}
-
-
-# ---- what each rank runs (through run_ranks) -----------------------------------------------
-def _register(plugin: str | None) -> None:
-    if plugin:
-        import accelkit
-
-        obj = _import(plugin) if ":" in plugin else importlib.import_module(plugin)
-        accelkit.register_plugin(obj() if isinstance(obj, type) else obj, plugin)
-
-
-def _shard(batch: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    size = GLOBAL_BATCH // world
-    return {k: v[rank * size : (rank + 1) * size] for k, v in batch.items()}
-
-
-def train_job(
-    backend: str,
-    options: dict[str, Any],
-    precision: str | None,
-    workload: str,
-    plugin: str | None = None,
-    save_to: str | None = None,
-    load_from: str | None = None,
-    tampered: str | None = None,
-    probe: bool = False,
-    steps: int = STEPS,
-    save_at: int = SAVE_AT,
-) -> dict[str, Any]:
-    """Train ``steps`` steps (saving after ``save_at``), or load ``load_from`` and train the rest;
-    report losses (global means), norms, what ``grad_norm`` is, and the final full weights.
-    ``probe``: first run :func:`probe_job` (in this process, before anything else is imported)."""
-    out: dict[str, Any] = {}
-    if probe:
-        out["probe"] = probe_job(backend, options, plugin)  # registers the plugin
-    else:
-        _register(plugin)
-    import torch
-
-    import accelkit
-
-    accel = accelkit.get(
-        backend,
-        options or None,
-        precision=precision,
-        accumulation_steps=ACCUMULATION,
-        max_grad_norm=CLIP,
-    )
-    work = _import(workload)()
-    net = work.build()
-    model, optimizer = accel.setup(net, work.optimizer(net.parameters()))
-    inner = getattr(optimizer, "optimizer", None)
-    # what a torch LR scheduler does: write each group's lr; it must reach what the backend steps
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.5 * group["lr"]
-    reaches = [g["lr"] for g in inner.param_groups] == [0.5 * lr for lr in lrs]
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    out["optimizers"] = {
-        "returned": isinstance(optimizer, torch.optim.Optimizer),
-        "lr_reaches_backend": reaches,
-        "types": [type(optimizer).__name__, type(inner).__name__],
-    }
-    state = {"model": model, "optimizer": optimizer}
-    first = 0
-    if tampered is not None:
-        try:
-            accel.load(tampered, state)
-            out["tampered"] = None
-        except Exception as err:  # the contract says which class; report what it was
-            out["tampered"] = [type(err).__name__, str(err)[:300]]
-    if load_from is not None:
-        accel.load(load_from, state)
-        first = save_at
-    dp_rank = accel.backend.data_parallel_rank
-    dp_world = accel.backend.data_parallel_world_size
-    cuda = accel.device.type == "cuda"
-    losses, norms, kinds, sync_sites = [], [], [], collections.Counter()
-    for step in range(first, steps):
-        for micro in range(ACCUMULATION):
-            batch = accel.to_device(
-                _shard(work.batch(step * ACCUMULATION + micro), dp_rank, dp_world)
-            )
-            with accel.accumulate(model):
-                loss = work.loss(model, batch)
-                accel.backward(loss)
-            closes = micro == ACCUMULATION - 1
-            if closes and cuda:  # the step that computes the norm: count host syncs
-                torch.cuda.synchronize()
-                with warnings.catch_warnings():
-                    warnings.simplefilter("always")
-                    warnings.showwarning = lambda message, *rest: _count_sync(message, sync_sites)
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        applied = accel.step()
-                        norm = accel.grad_norm
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-            else:
-                applied = accel.step()
-                norm = accel.grad_norm
-            losses.append(float(accel.all_reduce(loss.detach().float(), "mean")))
-            if applied:
-                kinds.append(
-                    [
-                        type(norm).__name__,
-                        getattr(norm, "dim", lambda: -1)(),
-                        str(getattr(norm, "device", "")).split(":")[0],
-                    ]
-                )
-                norms.append(float(norm))
-            optimizer.zero_grad()
-        if save_to is not None and step + 1 == save_at:
-            accel.save(save_to, state)
-    out.update(
-        losses=losses,
-        norms=norms,
-        norm_kinds=kinds,
-        device=accel.device.type,
-        host_syncs_in_step=dict(sync_sites) if cuda else None,
-        accelkit_host_syncs=_accelkit_sites(dict(sync_sites)),
-        params=_flat_state(accel.full_state_dict(model)),
-        dp=[dp_rank, dp_world],
-    )
-    accel.end_training()
-    return out
-
-
-def _count_sync(message: Any, sites: collections.Counter) -> None:
-    """Called where a sync warning is issued: count it at the innermost frame outside torch and
-    this harness (the code that asked for the sync: accelkit's, or the backend library's)."""
-    # torch's sync-debug warning; its other warnings (set_sync_debug_mode's own note that the
-    # feature is experimental, issued once, also says "synchronizing") are not syncs
-    if "called a synchronizing CUDA operation" not in str(message):
-        return
-    import traceback
-
-    import torch
-
-    torch_root = Path(torch.__file__).parent
-    harness = Path(__file__).parent  # accelkit.testing: the launcher and this suite
-    skip = {Path(warnings.__file__)}
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        file = Path(frame.filename)
-        if file in skip or file.is_relative_to(torch_root) or file.is_relative_to(harness):
-            continue
-        sites[f"{frame.filename}:{frame.lineno}"] += 1
-        return
-    sites["<unknown>"] += 1
-
-
-def _accelkit_sites(sites: dict[str, int]) -> dict[str, int]:
-    """The ``file:line`` sites that lie in accelkit's package or a loaded ``accelkit_*`` plugin."""
-    roots = [
-        Path(module.__file__).resolve().parent
-        for name, module in list(sys.modules.items())
-        if (name == "accelkit" or (name.startswith("accelkit_") and "." not in name))
-        and getattr(module, "__file__", None)
-    ]
-
-    def ours(site: str) -> bool:
-        file = Path(site.rpartition(":")[0]).resolve()
-        return any(file.is_relative_to(root) for root in roots)
-
-    return {site: n for site, n in sites.items() if ours(site)}
-
-
-def probe_job(backend: str, options: dict[str, Any], plugin: str | None = None) -> dict[str, Any]:
-    """In a fresh process: which backend modules listing the names imported, and what bad
-    input raises."""
-    from accelkit import registry
-
-    _register(plugin)
-    host = registry.host()
-    host.ensure_loaded()
-    names = host.registry.names()
-    spec = host.resolve(backend)
-    watched = list(spec.requires)
-    if isinstance(spec.factory, str):
-        watched.append(spec.factory.partition(":")[0])
-    out: dict[str, Any] = {
-        "listed": backend in names,
-        "watched": watched,
-        "imported": [m for m in watched if m in sys.modules],
-    }
-    import accelkit
-
-    for key, kwargs in (
-        ("unknown_option", {"no_such_option_kq": 1}),
-        ("unknown_precision", {"precision": "fp33-weird"}),
-    ):
-        try:
-            accelkit.get(backend, options or None, **kwargs)
-            out[key] = None
-        except Exception as err:
-            out[key] = [type(err).__name__, [c.__name__ for c in type(err).__mro__], str(err)]
-    return out
 
 
 # ---- the test class ---------------------------------------------------------------------------
@@ -468,6 +216,8 @@ class BackendContract:
             resumes = metafunc.function.__name__ in (
                 "test_cross_backend_resume",
                 "test_checkpoint_resumes_where_it_was_saved",
+                "test_every_owners_optimizer_state_loads_on_another_backend",
+                "test_another_optimizers_checkpoint_is_refused_and_changes_nothing",
             )
             marks = slow if resumes else base
             metafunc.parametrize("one", [pytest.param(1, id=cls.backend, marks=marks)])
@@ -554,7 +304,7 @@ class BackendContract:
         save = world_size == max(type(self).world_sizes)
         probe = world_size == self.representative_size()
         job = self._job(save_to=str(self._checkpoint()) if save else None, probe=probe)
-        return self._launch(("train", world_size), f"{__name__}:train_job", job, world_size)
+        return self._launch(("train", world_size), f"{RUNS}:train_job", job, world_size)
 
     def resumed(self, world_size: int, backend: str | None = None) -> list[dict[str, Any]]:
         saved = self._checkpoint()
@@ -565,7 +315,42 @@ class BackendContract:
         else:
             job["tampered"] = str(_tamper(saved, saved.parent / f"tampered-{world_size}"))
         key = ("resume", backend or type(self).backend, world_size)
-        return self._launch(key, f"{__name__}:train_job", job, world_size)
+        return self._launch(key, f"{RUNS}:train_job", job, world_size)
+
+    def core_backend(self) -> str:
+        """The core backend that loads this backend's checkpoints in the optimizer-state cases."""
+        return (type(self).resume_with or ("cpu", 1))[0]
+
+    def tallied(self) -> Path:
+        """A checkpoint of a TallyMomentum run of ``save_at`` steps at the largest world size."""
+        cls = type(self)
+        saved = self._checkpoint().parent / "tally"
+        world = max(cls.world_sizes)
+        job = self._job(save_to=str(saved), optimizer="tally")
+        job.update(steps=cls.save_at)
+        self._launch(("tally", world), f"{RUNS}:train_job", job, world)
+        return saved
+
+    def core_view(self) -> dict[str, Any]:
+        """What the core backend loaded of :meth:`tallied`; it also saves the foreign checkpoint
+        (SGD with momentum) of :meth:`foreign_run`."""
+        cls = type(self)
+        job = dict(
+            backend=self.core_backend(),
+            workload=cls.workload,
+            plugin=cls.plugin,
+            load_from=str(self.tallied()),
+            foreign_to=str(self._checkpoint().parent / "foreign"),
+        )
+        return self._launch(("core",), f"{RUNS}:core_job", job, 1)[0]
+
+    def foreign_run(self) -> list[dict[str, Any]]:
+        """The training run at the largest world size that tries the foreign checkpoint after
+        ``save_at`` steps."""
+        self.core_view()  # writes it
+        world = max(type(self).world_sizes)
+        job = self._job(foreign=str(self._checkpoint().parent / "foreign"))
+        return self._launch(("foreign", world), f"{RUNS}:train_job", job, world)
 
     def probe(self) -> dict[str, Any]:
         """What rank 0 of the representative run found before it trained (one launch less)."""
@@ -667,6 +452,35 @@ class BackendContract:
             unbroken, resumed, f"{core} from {type(self).backend}: ", self.tolerances()
         )
 
+    def test_every_advertised_precision_and_option_is_accepted(self, one: int) -> None:
+        problems = self.probe()["precisions"]
+        assert not problems, f"{type(self).backend}: " + "; ".join(problems)
+
+    def test_every_owners_optimizer_state_loads_on_another_backend(self, one: int) -> None:
+        """Saved at the largest world size with an optimizer that keeps numbers per parameter,
+        loaded on the core backend: every parameter's state is the raw loop's."""
+        cls = type(self)
+        core = self.core_view()
+        assert core["state"] is not None, (
+            f"{cls.backend}'s checkpoint of a TallyMomentum run does not load on "
+            f"{self.core_backend()}: {core.get('error')}"
+        )
+        expected = raw_reference(cls.workload, cls.save_at, "tally")["optimizer_state"]
+        what = f"{self.core_backend()} from {cls.backend} at {max(cls.world_sizes)} ranks"
+        _compare_state(core["state"], expected, self.tolerances(), what)
+
+    def test_another_optimizers_checkpoint_is_refused_and_changes_nothing(self, one: int) -> None:
+        cls = type(self)
+        raw = self.reference_run()
+        for rank, result in enumerate(self.foreign_run()):
+            what = f"rank {rank}: a checkpoint of SGD with momentum loaded into the trained run"
+            assert result["foreign"] is not None, f"{what} was accepted"
+            assert result["foreign"][0] == "CheckpointError", f"{what}: {result['foreign']}"
+            where = f"{what}, refused: the run then"
+            _close(result["losses"], raw["losses"], self.tolerances(), f"{where} has losses that")
+            _close_params(result["params"], raw["params"], self.tolerances(), f"{where}: weights")
+        assert cls.steps > cls.save_at  # the run trained on after the refusal
+
     def test_listing_backends_imports_no_backend_library(self, one: int) -> None:
         probe = self.probe()
         assert probe["listed"], f"{type(self).backend} is not among the registered names"
@@ -679,6 +493,31 @@ class BackendContract:
             name, bases, message = probe[key]
             assert "ConfigError" in bases, f"{key}: {name}: {message}"
             assert needle in message, f"{key}: the message does not name it: {message}"
+
+
+def _compare_state(
+    mine: dict[str, Any], expected: dict[str, Any], tolerance: tuple[float, float], what: str
+) -> None:
+    """Every parameter's optimizer state, key by key: tensors within ``tolerance``, other values
+    equal (floats within it too)."""
+    assert sorted(mine) == sorted(expected), (
+        f"{what}: state for parameters {sorted(mine)}, the raw loop has {sorted(expected)}"
+    )
+    for name, values in expected.items():
+        got = mine[name]
+        assert sorted(got) == sorted(values), (
+            f"{what}: {name} has state keys {sorted(got)}, the raw loop {sorted(values)}"
+        )
+        for key, value in values.items():
+            where = f"{what}: {name} {key!r}"
+            if isinstance(value, list):
+                _close(got[key], value, tolerance, where)
+            elif isinstance(value, float):
+                _close([float(got[key])], [value], tolerance, where)
+            else:
+                assert got[key] == value and type(got[key]) is type(value), (
+                    f"{where} is {got[key]!r}, the raw loop has {value!r}"
+                )
 
 
 def _plugin_target(plugin: Any) -> tuple[str, tuple[str, ...]]:

@@ -59,8 +59,18 @@ def check_dense_load(
             targets = module_tensors(user_module(module, backend))
             check_module_targets(reader, name, targets, shape_of)
     owners = param_owners(objects.modules, backend)
+    from accelkit.checkpoint.shards.owned import live_state_keys, owned_state
+
     for name, opt in objects.optimizers.items():
         if name not in wanted:
+            continue
+        owned = owned_state(backend, opt)
+        if owned is not None:  # ZeRO-1: the groups are the module's, the state spread over ranks
+            group_names, _ = param_group_names(
+                [g["params"] for g in owned.groups], owners, primary=_primary(reader, name)
+            )
+            keys = live_state_keys(owned)  # a collective: every rank gets here
+            check_optimizer(reader, name, owned.groups, group_names, live_keys=keys)
             continue
         groups = opt.param_groups
         group_names, _ = param_group_names(
@@ -140,10 +150,14 @@ def check_optimizer(
     groups: list[dict[str, Any]],
     group_names: list[list[str]],
     live_state: dict[Any, dict[str, Any]] | None = None,
+    *,
+    live_keys: set[str] | None = None,
 ) -> None:
     """An optimizer's saved record against the live one, without writing: the same parameters
     group by group, hyperparameters of the live types (finite numbers where numbers are), and,
-    under ``strict``, per-parameter state with no entry missing or extra."""
+    under ``strict``, per-parameter state with no entry missing or extra. The live state keys
+    are those of ``live_state``'s parameters, or ``live_keys`` where the state lives on other
+    ranks too (ZeRO-1: every rank's keys)."""
     info = reader.object_info(name, "optimizer")
     saved_groups = info.get("param_groups")
     where = f"optimizer {name!r} in {reader.manifest_path}"
@@ -156,7 +170,7 @@ def check_optimizer(
                 check_value(
                     f"{where}: param group {index} {key!r}", _decoded(value, where), group[key]
                 )
-    _check_state_keys(reader, name, where, groups, group_names, live_state)
+    _check_state_keys(reader, name, where, groups, group_names, live_state, live_keys)
 
 
 def _decoded(value: Any, where: str) -> Any:
@@ -173,6 +187,7 @@ def _check_state_keys(
     groups: list[dict[str, Any]],
     group_names: list[list[str]],
     live_state: dict[Any, dict[str, Any]] | None,
+    live_keys: set[str] | None = None,
 ) -> None:
     """Every parameter the checkpoint has state for has the same state keys (those of the live
     optimizer where it has state already): a missing ``exp_avg`` would mix old and new state."""
@@ -188,7 +203,7 @@ def _check_state_keys(
     with_state = {p: k for p, k in saved_keys.items() if k}
     if not with_state:
         return  # saved before the first step: the load clears the live state, as torch does
-    live_keys: set[str] = set()
+    live_keys = set(live_keys or ())
     for group in groups:
         for p in group["params"]:
             live_keys |= set((live_state or {}).get(p, {}) or {})

@@ -160,6 +160,15 @@ def _plan_rank(
                 "expected Fragment or ObjectInfo"
             )
     record: dict[str, Any] = {"rank": rank}
+    # an optimizer's non-tensor per-parameter state is written by the rank that holds it (a
+    # ZeRO-1 owner), so every rank reports its own and the manifest merges them
+    scalars = {
+        obj: info["scalar_state"]
+        for obj, info in infos.items()
+        if info.get("type") == "optimizer" and info.get("scalar_state")
+    }
+    if scalars and rank != 0:
+        record["scalar_state"] = scalars
     if rank == 0:
         json_infos, extras, backend_state = _json_states(objects, backend, collector)
         infos.update(json_infos)
@@ -417,6 +426,11 @@ def _build_manifest(
         if info is None:
             info = {"type": "module" if any(t.object == name for t in tensors) else "unknown"}
         objects[name] = info
+    for record in records[1:]:  # rank 0's first: where two ranks hold a value, its is kept
+        for name, per_param in record.get("scalar_state", {}).items():
+            merged = objects.get(name, {}).setdefault("scalar_state", {})
+            for pname, values in per_param.items():
+                merged.setdefault(pname, values)
     try:
         import safetensors
 

@@ -3,9 +3,11 @@
 Nothing is gathered to write a checkpoint; every rank writes what it holds:
 
 - **OSS** (``fairscale_oss``, ``fairscale_sdp``): each parameter's optimizer state lives on the
-  one rank that owns it (``OSS.partition_parameters()``); that rank writes it whole. The
-  parameters are replicas, written like DDP's (each rank a disjoint part). On load each rank
-  reads the state of the parameters it owns now, whatever world size wrote them.
+  one rank that owns it (``OSS.partition_parameters()``). The backend says so through the SDK's
+  ``owned_optimizer_state`` hook (accelkit_fairscale/oss.py), and the SDK's default hooks write
+  each state whole from its owner, read back the state of the parameters a rank owns now
+  (whatever world size wrote them) and check a load against every rank's live state. The
+  parameters are replicas, written like DDP's (each rank a disjoint part).
 - **FSDP** (``fairscale_fsdp``): a unit's flat parameter is the concatenation of its original
   parameters, flattened, cut into ``world_size`` equal chunks (the last padded). Rank ``r``
   holds flat elements ``[r*S, r*S + S)``; where that range meets original parameter ``p``
@@ -27,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from accelkit.sdk import (
     BUFFER,
@@ -48,15 +49,11 @@ from accelkit.sdk import (
     fill_tensor,
     group_scalar,
     load_dense_fragments,
-    load_param_states,
     load_slot_states,
     match_module_entries,
     module_info,
     optimizer_info,
     optimizer_load,
-    param_group_names,
-    param_owners,
-    param_state_fragments,
     ranged_fragments,
     read_slot,
     slot_state_fragments,
@@ -74,79 +71,6 @@ _FAIRSCALE_COMPONENTS = ("_fsdp_wrapped_module", "_fpw_module")
 def clean_fqn(name: str) -> str:
     parts = [p for p in name.split(".") if p not in _FAIRSCALE_COMPONENTS]
     return canonical_fqn(".".join(parts))
-
-
-# ---- OSS (fairscale_oss, fairscale_sdp) --------------------------------------------------------
-def oss_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | ObjectInfo]:
-    from fairscale.optim import OSS
-
-    objects = classify_state(state)
-    yield from dense_fragments(backend, state, names=list(objects.modules))
-    owners = param_owners(objects.modules, backend)
-    for name, opt in objects.optimizers.items():
-        if not isinstance(opt, OSS):
-            yield from dense_fragments(backend, state, names=[name])
-            continue
-        yield from _oss_optimizer_fragments(backend, name, opt, owners)
-
-
-def _oss_optimizer_fragments(
-    backend: Any, name: str, oss: Any, owners: dict[int, tuple[str, str]]
-) -> Iterator[Fragment | ObjectInfo]:
-    group_names, primary = param_group_names([g["params"] for g in oss.param_groups], owners)
-    planner = ReplicaPlanner(backend.rank, backend.world_size)
-    scalar_state: dict[str, Any] = {}
-    yield from param_state_fragments(  # this rank's owned parameters only
-        name, oss.param_groups, group_names, oss.optim.state, planner, scalar_state, backend.rank
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:  # rank 0's info is the one kept
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, scalar_state)
-        scalar_state = {k: v for part in gathered for k, v in part.items()}
-    yield optimizer_info(
-        name,
-        oss.optim,
-        group_names,
-        primary,
-        groups=oss.param_groups,
-        scalar_state=scalar_state,
-        sharding="fairscale-oss: each parameter's state written by its owner rank",
-    )
-
-
-def load_oss_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
-    from fairscale.optim import OSS
-
-    objects = classify_state(state)
-    load_dense_fragments(backend, reader, state, names=list(objects.modules))
-    owners = param_owners(objects.modules, backend)
-    for name, opt in objects.optimizers.items():
-        if not isinstance(opt, OSS):
-            load_dense_fragments(backend, reader, state, names=[name])
-            continue
-        _load_oss_optimizer(reader, name, opt, owners)
-
-
-@torch.no_grad()
-def _load_oss_optimizer(
-    reader: Any, name: str, oss: Any, owners: dict[int, tuple[str, str]]
-) -> None:
-    params = [group["params"] for group in oss.param_groups]
-    saved = optimizer_load(reader, name, oss.optim, oss.param_groups, params, owners)
-    # the wrapped optimizer's groups follow OSS's (OSS syncs them at each step; do it now)
-    owned = {id(p) for group in oss.optim.param_groups for p in group["params"]}
-    for group, local in zip(oss.param_groups, oss.optim.param_groups):
-        for key, value in group.items():
-            if key != "params":
-                local[key] = value
-    load_param_states(  # only the parameters this rank owns now; ``step`` on the CPU
-        reader,
-        saved,
-        oss.param_groups,
-        oss.optim.state,
-        holds=lambda p: id(p) in owned,
-        make=lambda p, key, entry, _group: state_like(p, key, entry),
-    )
 
 
 # ---- FSDP (fairscale_fsdp) --------------------------------------------------------------------

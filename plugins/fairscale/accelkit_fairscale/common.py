@@ -1,5 +1,5 @@
-"""What the three FairScale backends share: the optimizer rebuild, the sharded loss scaler and
-the refusals for setup arguments they do not support."""
+"""What the three FairScale backends share: the sharded loss scaler and the refusal of setup
+arguments they do not support (the optimizer rebuild is the SDK's ``optimizer_recipe``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from accelkit.sdk import ConfigError, MixedPrecision, UnsupportedError
+from accelkit.sdk import MixedPrecision, UnsupportedError
 
 
 class ShardedMixedPrecision(MixedPrecision):
@@ -42,30 +42,3 @@ def refuse_compile(backend: str, compile: Any) -> None:
             "gradient hooks are untested under torch.compile); compile the model's blocks "
             "yourself before setup()"
         )
-
-
-def fresh_groups(backend: str, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Copies of the optimizer's param groups (hyperparameters included), refusing one that has
-    state: the backend rebuilds the optimizer, and state would not follow."""
-    if len(optimizer.state):
-        raise ConfigError(
-            f"{backend}: the optimizer already has state (it has stepped, or state was loaded). "
-            "The backend rebuilds it around FairScale's sharding, and that state would not "
-            "follow. Pass a fresh optimizer to setup(), and load state after setup with "
-            "accel.load()."
-        )
-    return [{**group, "params": list(group["params"])} for group in optimizer.param_groups]
-
-
-def optimizer_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The constructor keywords of ``optimizer``: its ``defaults`` that ``__init__`` accepts.
-
-    ``defaults`` may hold keys the constructor refuses (torch's AdamW keeps
-    ``decoupled_weight_decay`` from its Adam base), so they are matched against the signature.
-    """
-    import inspect
-
-    parameters = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in parameters}

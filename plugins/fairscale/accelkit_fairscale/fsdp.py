@@ -41,9 +41,10 @@ from accelkit.sdk import (
     check_device_supports,
     check_wrap_policy,
     low_dtype,
+    optimizer_recipe,
     wrap_blocks,
 )
-from accelkit_fairscale.common import ShardedMixedPrecision, fresh_groups
+from accelkit_fairscale.common import ShardedMixedPrecision
 
 log = logging.getLogger("accelkit")
 
@@ -246,7 +247,7 @@ class FairScaleFSDPBackend(DistributedBackend):
             )
         group_of: dict[int, int] = {}
         for optimizer in optimizers:
-            for index, group in enumerate(fresh_groups(self.name, optimizer)):
+            for index, group in enumerate(optimizer_recipe(self.name, optimizer).groups):
                 for param in group["params"]:
                     group_of[id(param)] = index
         names = {id(p): n for n, p in model.named_parameters()}

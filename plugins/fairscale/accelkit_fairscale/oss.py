@@ -24,13 +24,13 @@ from accelkit.sdk import (
     DDPOptions,
     DistributedOptions,
     DtypeRow,
+    OwnedState,
     SetupResult,
     UnsupportedError,
+    optimizer_recipe,
 )
 from accelkit_fairscale.common import (
     ShardedMixedPrecision,
-    fresh_groups,
-    optimizer_defaults,
     refuse_compile,
 )
 
@@ -65,13 +65,13 @@ def _build_oss(
     """FairScale's OSS around the same optimizer class, groups and hyperparameters."""
     from fairscale.optim import OSS
 
-    groups = fresh_groups(backend, optimizer)
+    recipe = optimizer_recipe(backend, optimizer)
     return OSS(
-        groups,
-        optim=type(optimizer),
+        recipe.groups,
+        optim=recipe.cls,
         broadcast_fp16=options.broadcast_fp16,
         force_broadcast_object=options.force_broadcast_object,
-        **optimizer_defaults(optimizer),
+        **recipe.defaults,
     )
 
 
@@ -125,7 +125,7 @@ class OSSBackend(DDPBackend):
     ) -> SetupResult:
         refuse_compile(self.name, compile)
         for optimizer in optimizers:
-            fresh_groups(self.name, optimizer)  # refuse before wrapping anything
+            optimizer_recipe(self.name, optimizer)  # refuse before wrapping anything
         # FairScale's documented order: DDP first, then OSS over the same parameters.
         result = super().setup(model, [], activation_checkpointing=activation_checkpointing)
         sharded = [_build_oss(self.name, opt, self.options) for opt in optimizers]
@@ -140,15 +140,20 @@ class OSSBackend(DDPBackend):
         return _oss_norm(optimizer, max_norm, self.device)
 
     # ---- portable checkpoint: each rank writes the optimizer state it owns ---------------------
-    def local_fragments(self, state: dict[str, Any]) -> Iterator[Any]:
-        from accelkit_fairscale.checkpoint import oss_fragments
+    def owned_optimizer_state(self, optimizer: Any) -> OwnedState | None:
+        """OSS keeps each parameter's state on its owner rank, in the wrapped optimizer (its
+        ``optim``, over this rank's partition); the SDK's default hooks save, load and check it."""
+        from fairscale.optim import OSS
 
-        return oss_fragments(self, state)
-
-    def load_fragments(self, reader: Any, state: dict[str, Any]) -> None:
-        from accelkit_fairscale.checkpoint import load_oss_fragments
-
-        load_oss_fragments(self, reader, state)
+        if not isinstance(optimizer, OSS):
+            return None
+        mine = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+        return OwnedState(
+            groups=optimizer.param_groups,
+            state=optimizer.optim.state,
+            owns=lambda param: id(param) in mine,
+            optimizer=optimizer.optim,
+        )
 
 
 # ---- fairscale_sdp ---------------------------------------------------------------------------
@@ -223,7 +228,7 @@ class ShardedDDPBackend(OSSBackend):
                 "partition comes from it); call setup(model, optimizer)"
             )
         for optimizer in optimizers:
-            fresh_groups(self.name, optimizer)
+            optimizer_recipe(self.name, optimizer)
         model = self.prepare_module(model, activation_checkpointing)
         sharded = [_build_oss(self.name, opt, self.options) for opt in optimizers]
         o = self.options
