@@ -26,16 +26,38 @@ from accelkit.testing import run_ranks, spawn_ranks, worker_env
 # ---- accelkit run ---------------------------------------------------------------------------
 def test_run_gives_each_attempt_its_own_store_unless_the_user_chose():
     env: dict[str, str] = {}
-    run_command.choose_store_sharing(False, env)
+    run_command.choose_store_sharing(False, True, env)
     assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env = {}
-    run_command.choose_store_sharing(True, env)  # --share-rdzv-store: torch's default
+    run_command.choose_store_sharing(False, False, env)  # one attempt: torch's default
+    assert env == {}
+    env = {}
+    run_command.choose_store_sharing(True, True, env)  # --share-rdzv-store: torch's default
     assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}
     for chosen in ("0", "1"):  # exported by the user: left as it is, flag or not
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": chosen}
-        run_command.choose_store_sharing(True, env)
-        run_command.choose_store_sharing(False, env)
+        run_command.choose_store_sharing(True, True, env)
+        run_command.choose_store_sharing(False, True, env)
         assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": chosen}
+
+
+@pytest.mark.parametrize(
+    ("flags", "restarts"),
+    [
+        ([], False),
+        (["--max-restarts", "0"], False),
+        (["--max-restarts", "3"], True),
+        (["--nnodes", "2"], False),
+        (["--nnodes", "2:2"], False),
+        (["--nnodes", "1:4"], True),
+    ],
+)
+def test_run_knows_a_job_that_can_restart(flags, restarts):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    run_command.add_parser(parser)
+    assert run_command.can_restart(parser.parse_args([*flags, "train.py"])) is restarts
 
 
 def test_run_help_says_why_and_names_the_rendezvous_host():
@@ -69,7 +91,8 @@ def test_run_ends_on_a_signal_with_one_line_and_the_shells_status(tmp_path, sig,
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     proc = subprocess.Popen(
-        [*ACCELKIT_RUN, "--nproc-per-node", "1", str(script), str(tmp_path)],
+        [*ACCELKIT_RUN, "--nproc-per-node", "1", "--max-restarts", "1", str(script), "."],
+        cwd=tmp_path,
         env=worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

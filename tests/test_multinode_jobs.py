@@ -36,6 +36,10 @@ WAIT_S = 400.0
 #: rendezvous settings that keep the tests short: a round closes 5 s after its minimum joined,
 #: and a dead node is dropped after 3 missed 1 s heartbeats (defaults: 30 s, 3 x 5 s)
 RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
+#: a plain launch on one machine; restarts because the port the agent picks for the workers'
+#: store (one per attempt under accelkit run) may be taken by another process before rank 0
+#: binds it, on a machine this busy
+PLAIN = ["--standalone", "--max-restarts", "2"]
 
 
 class Job:
@@ -138,10 +142,11 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def static(nodes: int, node: int, port: int) -> list[str]:
-    """One agent of a static job of ``nodes`` nodes, one process each."""
+def static(nodes: int, node: int, port: int, restarts: int = 2) -> list[str]:
+    """One agent of a static job of ``nodes`` nodes, one process each (restarts: see PLAIN)."""
     return [
         *("--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", "1"),
+        *("--max-restarts", str(restarts)),
         *("--master-addr", "127.0.0.1", "--master-port", str(port)),
     ]
 
@@ -192,7 +197,7 @@ def check_chain(job: Job, tmp: Path) -> list[tuple[int, int, int]]:
     chain = Job(tmp / "chain", job.steps)
     for world, _, last in segments:
         chain.extra = ["--stop-at", str(last)] if last < job.steps else []
-        chain.start(f"plain-{last}", ["--standalone", "--nproc-per-node", str(world)])
+        chain.start(f"plain-{last}", [*PLAIN, "--nproc-per-node", str(world)])
         assert chain.finish()[f"plain-{last}"] == 0, chain.outputs()
     replay, replay_segments = winners(chain.events())
     assert [w for w, _, _ in replay_segments] == [w for w, _, _ in segments]
@@ -305,7 +310,7 @@ def test_node_private_disks_with_a_stale_same_named_checkpoint_are_refused(tmp_p
         node.mkdir()
         plain = Job(node, steps=2)
         plain.ckpt, plain.extra = Path("ckpt"), ["--seed", str(seed)]
-        plain.start("plain", ["--standalone", "--nproc-per-node", "2"], cwd=node)
+        plain.start("plain", [*PLAIN, "--nproc-per-node", "2"], cwd=node)
         assert plain.finish() == {"plain": 0}, plain.outputs()
     assert (nodes[1] / "ckpt" / "step-2").is_dir()
 
@@ -319,7 +324,7 @@ def test_node_private_disks_with_a_stale_same_named_checkpoint_are_refused(tmp_p
         for rank, node in enumerate(nodes):
             job.start(
                 f"n{rank}",
-                static(2, rank, port),
+                static(2, rank, port, restarts=0),  # a refusal is final
                 cwd=node,
             )
         codes = job.finish()

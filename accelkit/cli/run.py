@@ -3,10 +3,13 @@
 A thin front for ``torch.distributed.run`` (torchrun): the flags below are torchrun's and are
 passed through unchanged. Two things differ, both so that elastic jobs work:
 
-- the workers build a store of their own for each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``)
-  instead of sharing the rendezvous agent's, which outlives worker restarts: with torch's default,
-  a restarted group's gloo init reads the previous attempt's addresses (fails, or hangs for
-  minutes) and a rejoining node fails with ``DistStoreError`` (pytorch #135712, #167288);
+- in a job that can restart (``--max-restarts`` above 0, or ``--nnodes MIN:MAX``), the workers
+  build a store of their own for each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) instead
+  of sharing the rendezvous agent's, which outlives worker restarts: with torch's default, a
+  restarted group's gloo init reads the previous attempt's addresses (fails, or hangs for
+  minutes) and a rejoining node fails with ``DistStoreError`` (pytorch #135712, #167288). A job
+  that cannot restart keeps torch's default: one attempt meets no earlier one, and the agent's
+  store is already listening (a fresh one is bound later, on a port another process may take);
 - a signal to the launcher ends it with one line and status 128 + the signal (SIGTERM: 143,
   SIGINT: 130), after torchrun has passed the signal on to its workers, instead of a traceback.
 """
@@ -35,12 +38,13 @@ does one started by srun under SLURM (SLURM_PROCID, SLURM_NTASKS and SLURM_LOCAL
 onto them when no launcher set them). CPU processes use gloo, CUDA processes nccl.
 OMP_NUM_THREADS defaults to 1 per process when several run on a node (as torchrun does).
 
-elastic jobs (--nnodes MIN:MAX, --max-restarts): accelkit run sets
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so each attempt's workers get a fresh store of their own
-(rank 0 hosts it). torch's default shares the rendezvous agent's store with the workers; it
-outlives worker restarts, and with it a restarted group's gloo init reads the previous attempt's
-addresses and a rejoining node fails with DistStoreError after 60 s (pytorch #135712, #167288).
-Export the variable yourself (0 keeps torch's default), or pass --share-rdzv-store, to choose.
+elastic jobs, and any job that can restart (--nnodes MIN:MAX, --max-restarts N > 0): accelkit
+run sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so each attempt's workers get a fresh store of
+their own (rank 0 hosts it). torch's default shares the rendezvous agent's store with the
+workers; it outlives worker restarts, and with it a restarted group's gloo init reads the
+previous attempt's addresses and a rejoining node fails with DistStoreError after 60 s (pytorch
+#135712, #167288). Export the variable yourself (0 keeps torch's default), or pass
+--share-rdzv-store, to choose.
 The node at --rdzv-endpoint hosts the rendezvous: if it goes, the job goes; start it on the
 node least likely to be preempted. A signal to this command is passed on to the workers (they
 save and stop: accelkit.preemption) and ends it with status 128 + the signal (SIGTERM: 143).
@@ -152,13 +156,26 @@ def _ended_by(sig: signal.Signals) -> int:
     return status
 
 
-def choose_store_sharing(share: bool, environ: dict[str, str] | None = None) -> None:
-    """Give each attempt's workers a store of their own unless the user chose (the variable is
-    set, or ``--share-rdzv-store``): torch's shared store breaks elastic restarts."""
+def can_restart(args: argparse.Namespace) -> bool:
+    """Whether the job may run a second attempt: restarts, or an elastic node count."""
+    restarts = str(getattr(args, "max_restarts", None) or "0").strip()
+    low, _, high = str(getattr(args, "nnodes", None) or "").partition(":")
+    return (restarts.isdigit() and int(restarts) > 0) or (bool(high) and high != low)
+
+
+def choose_store_sharing(
+    share: bool, restarts: bool, environ: dict[str, str] | None = None
+) -> None:
+    """Give each attempt's workers a store of their own in a job that can restart, unless the
+    user chose (the variable is set, or ``--share-rdzv-store``): torch's shared store breaks
+    restarts. A job of one attempt keeps torch's default."""
     environ = os.environ if environ is None else environ
     if SHARE_STORE_ENV in environ:
         return
-    environ[SHARE_STORE_ENV] = "0" if share else "1"
+    if share:
+        environ[SHARE_STORE_ENV] = "0"
+    elif restarts:
+        environ[SHARE_STORE_ENV] = "1"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,5 +183,5 @@ def run(args: argparse.Namespace) -> int:
         # What torchrun does (with a warning): several processes must not each spawn a
         # thread per core. Set it here quietly; export OMP_NUM_THREADS to choose another value.
         os.environ["OMP_NUM_THREADS"] = "1"
-    choose_store_sharing(args.share_rdzv_store)
+    choose_store_sharing(args.share_rdzv_store, can_restart(args))
     return launch(torchrun_argv(args))
