@@ -631,11 +631,13 @@ class Accelerator:
         rename: Any = None,
         strip_prefix: str | None = None,
         add_prefix: str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         """Fill the set-up ``model`` with pretrained weights, each rank reading only its pieces.
 
         ``source``: a Hugging Face-style directory (``model.safetensors``, or shards with
-        ``model.safetensors.index.json``), one ``.safetensors`` file, or an accelkit checkpoint.
+        ``model.safetensors.index.json``), one ``.safetensors`` file, or an accelkit checkpoint,
+        on disk or in object storage (``s3://bucket/prefix``, with ``storage_options``).
         ``rename`` (a mapping or callable; None drops a key), then ``strip_prefix`` /
         ``add_prefix``, turn the file's names into the model's. ``strict``: missing and
         unexpected names raise (else they are logged). Shapes and dtypes are checked before
@@ -661,15 +663,23 @@ class Accelerator:
             rename=rename,
             strip_prefix=strip_prefix,
             add_prefix=add_prefix,
+            storage_options=storage_options,
         )
         log.info(
             "loaded pretrained weights from %s in %.2f s", source, time.perf_counter() - started
         )
         from accelkit.checkpoint.shards.fragments import PRETRAINED_FROM
+        from accelkit.checkpoint.store import store_for
 
         # where the weights came from: a later save records it, for the export's config.json
-        folder = Path(source) if Path(source).is_dir() else Path(source).parent
-        self.backend.unwrap(model).__dict__[PRETRAINED_FROM] = str(folder.absolute())
+        store = store_for(source, storage_options)
+        if store.local_directory(str(source)) is None:  # a URL: the prefix, or the object's
+            url = store.display(str(source)).rstrip("/")
+            folder_name = url if not url.endswith(".safetensors") else url.rsplit("/", 1)[0]
+        else:
+            local = Path(source)
+            folder_name = str((local if local.is_dir() else local.parent).absolute())
+        self.backend.unwrap(model).__dict__[PRETRAINED_FROM] = folder_name
 
     def load(
         self,
@@ -688,25 +698,20 @@ class Accelerator:
             return self.backend.load_native(path, state, strict=strict, **kwargs)
         if format != "portable":
             raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
-        from accelkit.checkpoint import load
+        from accelkit.checkpoint import load_resolved
 
-        built_with, built_bases = learning_rates(state), learning_rates(state, "initial_lr")
+        built_with = learning_rates(state)
         started = time.perf_counter()
-        unconsumed = load(self, path, state, strict=strict, **kwargs)
+        unconsumed, manifest = load_resolved(self, path, state, strict=strict, **kwargs)
         log.info("loaded %s in %.2f s", path, time.perf_counter() - started)
-        self._restore_applied_steps(path, kwargs.get("storage_options"))
-        say_which_learning_rate_won(built_with, learning_rates(state), path, state, built_bases)
+        self._restore_applied_steps(manifest.data.get("applied_steps"))
+        say_which_learning_rate_won(built_with, learning_rates(state), path)
         return unconsumed
 
-    def _restore_applied_steps(
-        self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None
-    ) -> None:
-        """Continue :attr:`applied_steps` from the checkpoint's count, so a resumed run logs and
-        saves at the steps an uninterrupted one would; checkpoints written before the count was
-        saved leave it as it is."""
-        from accelkit.checkpoint import read_manifest
-
-        saved = read_manifest(path, storage_options=storage_options).data.get("applied_steps")
+    def _restore_applied_steps(self, saved: Any) -> None:
+        """Continue :attr:`applied_steps` from the count of the checkpoint just loaded (its
+        manifest, read once with its weights), so a resumed run logs and saves at the steps an
+        uninterrupted one would; checkpoints written before the count was saved leave it."""
         if isinstance(saved, int) and not isinstance(saved, bool):
             self._applied_steps = saved
 

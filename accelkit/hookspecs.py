@@ -57,6 +57,16 @@ def accelkit_checkpoint_exporters() -> dict[str, Any]:
     """
 
 
+@hookspec
+def accelkit_checkpoint_stores() -> dict[str, Any]:
+    """Return ``{scheme: factory}`` for checkpoint stores of other URL schemes (``gs``, ``az``).
+
+    ``factory(storage_options: dict | None) -> accelkit.sdk.Store``: a store of objects is
+    usually ``accelkit.sdk.BucketStore(scheme, bucket_for)`` over a ``Bucket`` of its service
+    (docs/plugins.md, "Checkpoint stores"). Import the service's client inside the factory.
+    """
+
+
 @hookspec(firstresult=True)
 def accelkit_estimate_memory(backend: str, model_stats: dict[str, Any], options: dict[str, Any]):
     """Return the per-device memory estimate (bytes, as a dict) of ``backend`` for a model, or None.

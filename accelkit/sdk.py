@@ -30,6 +30,9 @@ The groups:
 - the checkpoint kit (docs/plugins.md, "Checkpoints of a sharded backend"): fragments, slots,
   layouts and the loaders of :mod:`accelkit.checkpoint.shards.sharded`, the codec, names, and the
   foreign-format import helpers of ``accelkit convert``;
+- checkpoint stores (docs/plugins.md, "Checkpoint stores"): the :class:`Store` protocol, and
+  :class:`BucketStore` over a :class:`Bucket` for a store of objects, registered by URL scheme
+  through the ``accelkit_checkpoint_stores`` hook; :func:`store_for` picks one for a path;
 - restricted unpickling (docs/plugins.md, "Reading pickled checkpoints"): the one way a plugin
   reads a pickle, :func:`restricted_torch_load` with its library's :class:`PickleAllowlist`;
 - memory estimates (``accelkit plan``): :func:`optimizer_terms`, :func:`trace_kind`, ...;
@@ -46,7 +49,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.6"
+SDK_VERSION = "1.7"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -164,6 +167,20 @@ _SOURCES: dict[str, str] = {
     "agree": "accelkit.checkpoint.write.writer",
     "DTYPES_BY_NAME": "accelkit.checkpoint.format.safetensors_io",
     "LazyTensor": "accelkit.checkpoint.format.safetensors_io",
+    # checkpoint stores (docs/plugins.md, "Checkpoint stores")
+    "Store": "accelkit.checkpoint.store.base",
+    "Bucket": "accelkit.checkpoint.store.base",
+    "StoredObject": "accelkit.checkpoint.store.base",
+    "RankFileTarget": "accelkit.checkpoint.store.base",
+    "RangedFile": "accelkit.checkpoint.store.base",
+    "ObjectMissing": "accelkit.checkpoint.store.base",
+    "BucketMissing": "accelkit.checkpoint.store.base",
+    "ObjectExists": "accelkit.checkpoint.store.base",
+    "VersionChanged": "accelkit.checkpoint.store.base",
+    "BucketStore": "accelkit.checkpoint.store.bucket",
+    "ObjectLocation": "accelkit.checkpoint.store.bucket",
+    "store_for": "accelkit.checkpoint.store",
+    "register_store": "accelkit.checkpoint.store",
     # foreign checkpoint formats (accelkit convert)
     "Imported": "accelkit.checkpoint.formats.importing",
     "optimizer_import": "accelkit.checkpoint.formats.importing",
@@ -303,6 +320,19 @@ __all__ = [
     "agree",
     "DTYPES_BY_NAME",
     "LazyTensor",
+    "Store",
+    "Bucket",
+    "StoredObject",
+    "RankFileTarget",
+    "RangedFile",
+    "ObjectMissing",
+    "BucketMissing",
+    "ObjectExists",
+    "VersionChanged",
+    "BucketStore",
+    "ObjectLocation",
+    "store_for",
+    "register_store",
     "Imported",
     "optimizer_import",
     "positional_names",
@@ -429,6 +459,19 @@ if TYPE_CHECKING:
         check_module_targets,
         check_optimizer,
     )
+    from accelkit.checkpoint.store import register_store, store_for
+    from accelkit.checkpoint.store.base import (
+        Bucket,
+        BucketMissing,
+        ObjectExists,
+        ObjectMissing,
+        RangedFile,
+        RankFileTarget,
+        Store,
+        StoredObject,
+        VersionChanged,
+    )
+    from accelkit.checkpoint.store.bucket import BucketStore, ObjectLocation
     from accelkit.checkpoint.write.writer import agree
     from accelkit.config import build_options, closest, load_config_source, options_as_dict
     from accelkit.distributed import (

@@ -8,6 +8,7 @@ any of it into the next one makes both unreliable, so each test gets them reset.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -115,8 +116,10 @@ class _S3Place:
 
         return boto3.client("s3", endpoint_url=self.server.endpoint)
 
-    def keys(self, under: str = "") -> list[str]:
-        """The object keys below ``under`` (relative to this test's prefix), sorted."""
+    def keys(self, under: str = "", *, saves: bool = False) -> list[str]:
+        """The object keys below ``under`` (relative to this test's prefix), sorted; a rank
+        file's name unique to its save (``rank-00000.<save>.safetensors``) is shown as
+        ``rank-00000.safetensors`` unless ``saves``."""
         client = self.client()
         start = f"{self.prefix}/{under}".rstrip("/")
         found = []
@@ -124,4 +127,14 @@ class _S3Place:
             Bucket=self.bucket, Prefix=start
         ):
             found += [o["Key"][len(self.prefix) + 1 :] for o in page.get("Contents", [])]
+        if not saves:
+            found = [re.sub(r"(rank-\d+)\.[0-9a-f]{12}(\.safetensors)$", r"\1\2", k) for k in found]
         return sorted(found)
+
+    def rank_key(self, checkpoint: str, rank: int = 0) -> str:
+        """The full key of ``rank``'s file in the checkpoint ``checkpoint`` (relative to this
+        test's prefix), whatever its save named it."""
+        pattern = re.compile(rf"rank-{rank:05d}(\.[0-9a-f]{{12}})?\.safetensors$")
+        names = [k for k in self.keys(checkpoint, saves=True) if pattern.search(k)]
+        assert len(names) == 1, names
+        return f"{self.prefix}/{names[0]}"

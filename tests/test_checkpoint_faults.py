@@ -80,8 +80,10 @@ def test_a_stopped_writer_of_a_killed_run_never_touches_the_restarted_runs_check
         old.stdin.write("go\n")
         old.stdin.flush()
         assert old.stdout.readline().strip() == "sent"
-        temporary = tmp_path / ".step-4.accelkit-tmp"
-        _wait_for(lambda: any(temporary.glob(".rank-00000.safetensors.*.part")), "request sent")
+        _wait_for(
+            lambda: any(tmp_path.glob(".step-4.*.accelkit-tmp/.rank-00000.safetensors.*.part")),
+            "request sent",
+        )
         old.kill()
         old.wait()
         _wait_for(lambda: _gone(writer_pid), "the old writer died with its trainer")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -89,25 +90,27 @@ def test_round_trip_is_bit_exact_and_follows_latest(s3, saved):
 
 def test_flipped_byte_in_a_rank_object_fails_clearly_and_loads_nothing(s3, saved):
     url, _, _ = saved
-    client, key = s3.client(), f"{s3.prefix}/run/step-3/rank-00000.safetensors"
+    client, key = s3.client(), s3.rank_key("run/step-3")
     data = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     data[-3] ^= 0x01
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
     accel, state = _fresh()
     before = _snapshot(state["model"], state["optimizer"])
-    with pytest.raises(accelkit.CheckpointError, match=r"s3://.*rank-00000\.safetensors.*checksum"):
+    with pytest.raises(
+        accelkit.CheckpointError, match=r"s3://.*rank-00000\.\w+\.safetensors.*checksum"
+    ):
         accel.load(url, state)
     _assert_equal(_snapshot(state["model"], state["optimizer"]), before)
 
 
 def test_missing_rank_object_fails_clearly(s3, saved):
     url, _, _ = saved
-    s3.client().delete_object(
-        Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-3/rank-00000.safetensors"
-    )
+    s3.client().delete_object(Bucket=s3.bucket, Key=s3.rank_key("run/step-3"))
     accel, state = _fresh()
     before = _snapshot(state["model"], state["optimizer"])
-    with pytest.raises(accelkit.CheckpointError, match=r"s3://.*rank-00000\.safetensors.*missing"):
+    with pytest.raises(
+        accelkit.CheckpointError, match=r"s3://.*rank-00000\.\w+\.safetensors.*missing"
+    ):
         accel.load(url, state)
     _assert_equal(_snapshot(state["model"], state["optimizer"]), before)
 
@@ -117,7 +120,7 @@ def test_a_save_without_its_manifest_is_never_loaded(s3, saved):
     auto_resume: they take the last committed checkpoint."""
     url, want, _ = saved
     client = s3.client()
-    body = client.get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/run/step-3/rank-00000.safetensors")
+    body = client.get_object(Bucket=s3.bucket, Key=s3.rank_key("run/step-3"))
     client.put_object(
         Bucket=s3.bucket,
         Key=f"{s3.prefix}/run/step-9/rank-00000.safetensors",
@@ -189,7 +192,7 @@ def test_copied_between_disk_and_bucket_loads_either_way(s3, saved, tmp_path):
     client = s3.client()
     local = tmp_path / "step-3"
     local.mkdir()
-    for key in s3.keys("run/step-3"):
+    for key in s3.keys("run/step-3", saves=True):
         client.download_file(s3.bucket, f"{s3.prefix}/{key}", str(local / key.split("/")[-1]))
     accel, state = _fresh()
     accel.load(local, state)  # bucket -> disk
@@ -251,7 +254,7 @@ def test_without_boto3_the_error_says_what_to_install(s3, monkeypatch):
     from accelkit.checkpoint.store import s3_client as objectstore
 
     monkeypatch.setitem(sys.modules, "boto3", None)
-    monkeypatch.setattr(objectstore, "_stores", {})
+    monkeypatch.setattr(objectstore, "_buckets", {})
     accel, model, _, _ = _setup()
     with pytest.raises(accelkit.CheckpointError, match=r"pip install 'accelkit\[s3\]'"):
         accel.save(s3.url("x/step-1"), {"model": model})
@@ -341,10 +344,11 @@ def test_ddp_two_ranks_save_to_s3_and_cpu_resumes(s3, tmp_path):
         .get_object(Bucket=s3.bucket, Key=f"{s3.prefix}/ddp/step-6/accelkit.json")["Body"]
         .read()
     )
-    assert sorted(f for f in manifest["files"] if f.startswith("rank-")) == [
+    ranks = sorted(f for f in manifest["files"] if f.startswith("rank-"))
+    assert [re.sub(r"\.[0-9a-f]{12}\.", ".", f) for f in ranks] == [
         "rank-00000.safetensors",
         "rank-00001.safetensors",
-    ]
+    ]  # each named for this save (two saves of one name never replace each other's)
     resumed = _launch([dict(backend="cpu", out=str(out), tag="G", load_from=s3.url("ddp"))], 1)
     ref.assert_same_state(ref.undump(out / "B-saved"), ref.undump(out / "G-loaded"))
     assert resumed[0][0]["seen"] == saved[0][0]["seen"][dist_test.SAVE_AT :]
@@ -371,13 +375,13 @@ def test_inspect_names_the_object_that_fails_its_checksum(s3, saved, capsys):
     from accelkit.cli import main
 
     url, _, _ = saved
-    client, key = s3.client(), f"{s3.prefix}/run/step-3/rank-00000.safetensors"
+    client, key = s3.client(), s3.rank_key("run/step-3")
     data = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     data[-3] ^= 0x01
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
     assert main(["inspect", s3.url("run")]) == 1
     err = capsys.readouterr().err
-    assert f"{url}/rank-00000.safetensors" in err and "FAILED" in err
+    assert f"{url}/{key.rsplit('/', 1)[1]}" in err and "FAILED" in err
 
 
 # ---- slow tier: other backends, faults -------------------------------------------------------------
@@ -469,9 +473,9 @@ def _serving(s3, key: str, timeout: float = 60.0) -> None:
 
 def _kill_server_at_upload(monkeypatch, server) -> list:
     """SIGKILL the server as the first rank file upload begins (a crash mid-save)."""
-    from accelkit.checkpoint.write import s3 as remote
+    from accelkit.checkpoint.write import writer
 
-    real, killed = remote._upload_rank_file, []
+    real, killed = writer._write_rank_file, []
 
     def upload(*args, **kwargs):
         if not killed:
@@ -479,7 +483,7 @@ def _kill_server_at_upload(monkeypatch, server) -> list:
             killed.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(remote, "_upload_rank_file", upload)
+    monkeypatch.setattr(writer, "_write_rank_file", upload)
     return killed
 
 
@@ -526,7 +530,7 @@ def trainer_killed_mid_upload(url: str, parts_before_kill: int) -> None:
 
     from accelkit.checkpoint.store import s3_client as objectstore
 
-    real, sent = objectstore.ObjectStore._call, []
+    real, sent = objectstore.S3Bucket._call, []
 
     def call(self, doing, key, fn, **kwargs):
         if getattr(fn, "__name__", "") == "upload_part":
@@ -535,7 +539,7 @@ def trainer_killed_mid_upload(url: str, parts_before_kill: int) -> None:
             sent.append(key)
         return real(self, doing, key, fn, **kwargs)
 
-    objectstore.ObjectStore._call = call
+    objectstore.S3Bucket._call = call
     accel = accelkit.get("cpu")
     torch.manual_seed(9)
     model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights: a multipart upload

@@ -56,7 +56,7 @@ def _save_reference(url: str, out: Path) -> None:
 def _flip_where_only_rank_1_checks(s3, url: str) -> int:
     """Flip a byte of the last fragment in the file, which starts in the second half of the
     bytes: rank 1 of 2 checks it, rank 0 never does. Returns the byte's offset."""
-    client, key = s3.client(), f"{url.split('/', 3)[3]}/{RANK_FILE}"
+    client, key = s3.client(), s3.rank_key(url.split("/", 3)[3][len(s3.prefix) + 1 :])
     data = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
@@ -75,15 +75,27 @@ def _counting(patch: Any) -> list[int]:
     from accelkit.checkpoint.store import s3_client as objectstore
 
     fetched: list[int] = []
-    real = objectstore.ObjectStore.read_into
+    real = objectstore.S3Bucket.read_into
 
-    def counted(self: Any, key: str, view: memoryview, offset: int) -> None:
+    def counted(
+        self: Any, key: str, view: memoryview, offset: int, version: str | None = None
+    ) -> None:
         if key.endswith(".safetensors"):
             fetched.append(view.nbytes)
-        real(self, key, view, offset)
+        real(self, key, view, offset, version)
 
-    patch(objectstore.ObjectStore, "read_into", counted)
+    patch(objectstore.S3Bucket, "read_into", counted)
     return fetched
+
+
+def _opened(url: str, rank: int) -> Any:
+    """Rank ``rank`` of 2's partial copy of the checkpoint ``url`` (resolved, as a load does)."""
+    from accelkit.checkpoint.read import ranged_copy
+    from accelkit.checkpoint.store import store_for
+
+    store = store_for(url)
+    target = store.resolve(url)
+    return ranged_copy.opened(store, target, store.read_manifest(target), rank=rank, world=2)
 
 
 # ---- in one process: each rank's partial copy -------------------------------------------------------
@@ -93,13 +105,12 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     read equals what safetensors itself reads from the object."""
     from safetensors.torch import load as load_safetensors
 
-    from accelkit.checkpoint.read import s3_copy as remote_load
+    from accelkit.checkpoint.read import ranged_copy as remote_load
     from accelkit.checkpoint.read.verify import verify_share
-    from accelkit.checkpoint.store import s3_client as objectstore
 
     url = s3.url("run/step-1")
     _save_reference(url, tmp_path)
-    key = f"{s3.prefix}/run/step-1/{RANK_FILE}"
+    key = s3.rank_key("run/step-1")
     raw = load_safetensors(s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     total = _rank_file_bytes(s3, url)
     fetched = _counting(monkeypatch.setattr)
@@ -107,7 +118,7 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
     shares = []
     for rank in (0, 1):
         fetched.clear()
-        with remote_load.opened(objectstore.location(url), rank=rank, world=2) as reader:
+        with _opened(url, rank) as reader:
             verify_share(reader, rank, 2)
             shares.append(sum(fetched))
             assert 0.25 * total < shares[-1] < 0.75 * total, (rank, shares[-1], total)
@@ -122,22 +133,21 @@ def test_each_rank_downloads_its_share_and_reads_the_rest_on_demand(s3, tmp_path
 
 
 def test_a_flipped_byte_fails_the_share_that_holds_it_naming_the_object(s3, tmp_path):
-    from accelkit.checkpoint.read import s3_copy as remote_load
     from accelkit.checkpoint.read.verify import verify_share
-    from accelkit.checkpoint.store import s3_client as objectstore
 
     url = s3.url("run/step-1")
     _save_reference(url, tmp_path)
     _flip_where_only_rank_1_checks(s3, url)
-    with remote_load.opened(objectstore.location(url), rank=0, world=2) as reader:
+    with _opened(url, 0) as reader:
         verify_share(reader, 0, 2)  # rank 0 checks only the first half: it passes
     with (
         pytest.raises(accelkit.CheckpointError) as caught,
-        remote_load.opened(objectstore.location(url), rank=1, world=2) as reader,
+        _opened(url, 1) as reader,
     ):
         verify_share(reader, 1, 2)
     message = str(caught.value)
-    assert f"{url}/{RANK_FILE}" in message and "failed its checksum" in message, message
+    name = s3.rank_key("run/step-1").rsplit("/", 1)[1]
+    assert f"{url}/{name}" in message and "failed its checksum" in message, message
     assert "accelkit-s3-load-" not in message
 
 
@@ -145,7 +155,7 @@ def test_the_next_load_removes_the_copy_a_killed_load_left(s3, tmp_path, monkeyp
     """A load killed mid-way leaves its copy (in memory, by default); the next load on the
     machine removes it: its lock died with its process. A copy still locked (a load running
     elsewhere) or just made stays."""
-    from accelkit.checkpoint.read import s3_copy as remote_load
+    from accelkit.checkpoint.read import ranged_copy as remote_load
 
     staging = tmp_path / "staging"
     monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))
@@ -166,7 +176,7 @@ def test_a_copy_without_room_fails_clearly_and_loads_nothing(s3, tmp_path, monke
     import resource
     import signal
 
-    from accelkit.checkpoint.read import s3_copy as remote_load
+    from accelkit.checkpoint.read import ranged_copy as remote_load
 
     staging = tmp_path / "staging"
     monkeypatch.setenv(remote_load.STAGING_ENV, str(staging))
@@ -184,7 +194,7 @@ def test_a_copy_without_room_fails_clearly_and_loads_nothing(s3, tmp_path, monke
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, handler)
     message = str(caught.value)
-    assert RANK_FILE in message and remote_load.STAGING_ENV in message, message
+    assert "rank-00000." in message and remote_load.STAGING_ENV in message, message
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
     assert not list(staging.iterdir())
     accel.load(s3.url("run"), {"model": target})
@@ -252,7 +262,7 @@ def _open_copies() -> list[str]:
 
 
 def _rank_file_bytes(s3, url: str) -> int:
-    key = f"{url.split('/', 3)[3]}/{RANK_FILE}"
+    key = s3.rank_key(url.split("/", 3)[3][len(s3.prefix) + 1 :])
     return s3.client().head_object(Bucket=s3.bucket, Key=key)["ContentLength"]
 
 
@@ -284,7 +294,7 @@ def test_a_byte_only_rank_1_checks_fails_every_rank_and_writes_nothing(s3, tmp_p
     for rank, result in enumerate(ranks):
         error = result["error"]
         assert error is not None, f"rank {rank} loaded a damaged checkpoint"
-        assert f"{url}/{RANK_FILE}" in error and "failed its checksum" in error, error
+        assert f"{url}/rank-00000." in error and "failed its checksum" in error, error
         assert "accelkit-s3-load-" not in error, error  # the object, never the temp file
         assert result["open"] == []
     ref.assert_same_state(ref.undump(tmp_path / "bad-before"), ref.undump(tmp_path / "bad-after"))

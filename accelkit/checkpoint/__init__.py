@@ -4,7 +4,7 @@ A checkpoint is a directory::
 
     ckpt/
       accelkit.json            manifest: versions, world size, precision, step, objects, and
-                               every tensor with its fragments and their SHA-256 checksums
+                               every tensor with its fragments and their checksums (XXH3-128 or SHA-256)
       rank-00000.safetensors   rank 0's fragments (1-D ranges of flattened tensors) and RNG
       rank-00001.safetensors   ...written in parallel, no gather
       extra.json               the user's numbers and strings
@@ -25,8 +25,7 @@ from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint import progress
 from accelkit.checkpoint.format import rng as rng_io
 from accelkit.checkpoint.format.fqn import canonical_fqn
-from accelkit.checkpoint.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
-from accelkit.checkpoint.read import same_source
+from accelkit.checkpoint.format.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorEntry
 from accelkit.checkpoint.read.reader import CheckpointReader
 from accelkit.checkpoint.read.verify import verify_share
 from accelkit.checkpoint.shards import dense
@@ -38,8 +37,7 @@ from accelkit.checkpoint.shards.fragments import (
     load_dense_fragments,
 )
 from accelkit.checkpoint.shards.validate import Sections, read_sections
-from accelkit.checkpoint.store import posix as storage
-from accelkit.checkpoint.store import s3_client as objectstore
+from accelkit.checkpoint.store import store_for
 from accelkit.checkpoint.write import writer
 from accelkit.checkpoint.write.writer import agree, backend_of, was_agreed
 from accelkit.errors import CheckpointError, PartialLoadError
@@ -68,7 +66,7 @@ __all__ = [
 
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory ``path`` names (itself, or its ``latest``)."""
-    return storage.resolve(path)
+    return Path(store_for(path).resolve(str(path)))
 
 
 def save(
@@ -79,38 +77,26 @@ def save(
     storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Path | str:
-    """Write a portable checkpoint of ``state`` to ``path``: a directory
-    (:func:`accelkit.checkpoint.write.writer.save`, whose keywords apply to both) or an object-storage
-    location ``s3://bucket/prefix`` (:mod:`accelkit.checkpoint.store.s3`; ``storage_options``
-    overrides the AWS_* configuration). A path with another scheme is refused."""
-    where = objectstore.location(path)
-    if where is None:
-        _no_options(storage_options, path)
-        return writer.save(accel, path, state, **kwargs)
-    from accelkit.checkpoint.write import s3
-
-    return s3.save(accel, where, state, storage_options=storage_options, **kwargs)
+    """Write a portable checkpoint of ``state`` to ``path``: a directory, or a location of
+    object storage (``s3://bucket/prefix``, a plugin's ``gs://``; ``storage_options`` overrides
+    the store's configuration). :func:`accelkit.checkpoint.write.writer.save` says what the
+    keywords do; a scheme no store serves is refused."""
+    return writer.save(accel, path, state, storage_options=storage_options, **kwargs)
 
 
 def read_manifest(
     path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None
 ) -> Manifest:
-    """The manifest of the checkpoint ``path`` names (after ``latest``), local or s3://."""
-    where = objectstore.location(path)
-    if where is None:
-        return Manifest.read(storage.resolve(path), verify_checksum=False)
-    from accelkit.checkpoint.store import s3
-
-    with s3.fetched(where, storage_options, manifest_only=True) as local:
-        return Manifest.read(local, verify_checksum=False)
+    """The manifest of the checkpoint ``path`` names (after ``latest``), on any store."""
+    store = store_for(path, storage_options)
+    target = store.resolve(str(path))
+    return _manifest(store, target, store.read_manifest(target), verify_checksum=False)
 
 
-def _no_options(storage_options: dict[str, Any] | None, path: Any) -> None:
-    if storage_options is not None:
-        raise CheckpointError(
-            f"storage_options apply to object storage (s3://bucket/prefix), not to the local "
-            f"path {path}; leave them out"
-        )
+def _manifest(store: Any, target: str, raw: bytes, *, verify_checksum: bool = True) -> Manifest:
+    directory = store.local_directory(target)
+    source = str(directory / MANIFEST_NAME) if directory else store.child(target, MANIFEST_NAME)
+    return Manifest.parse(raw, source, directory, verify_checksum=verify_checksum)
 
 
 def load(
@@ -141,14 +127,34 @@ def load(
     :class:`~accelkit.errors.CheckpointError` and changes nothing. Only an I/O error during the
     writes can leave objects partly loaded: that raises :class:`~accelkit.errors.PartialLoadError`.
     """
+    unconsumed, _ = load_resolved(
+        accel, path, state, strict=strict, rng=rng, verify=verify, storage_options=storage_options
+    )
+    return unconsumed
+
+
+def load_resolved(
+    accel: Any,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    rng: bool = True,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], Manifest]:
+    """:func:`load`, and the manifest of the checkpoint it loaded: ``latest`` is resolved once
+    and the manifest read once, so what the caller reads of it (``applied_steps``) is of the
+    checkpoint whose weights it loaded, even while another job moves ``latest``."""
     from accelkit.checkpoint.write import background
 
     background.wait()  # an asynchronous save in flight commits first (it may be this one)
     backend = backend_of(accel)
     unconsumed: dict[str, Any] = {}
+    manifest: Manifest | None = None
     error = None
     try:
-        unconsumed = _load(
+        unconsumed, manifest = _load(
             backend,
             path,
             state,
@@ -162,7 +168,8 @@ def load(
             raise
         error = err
     agree(error, f"loading {path}")
-    return unconsumed
+    assert manifest is not None
+    return unconsumed, manifest
 
 
 def load_pretrained(
@@ -184,27 +191,27 @@ def load_pretrained(
     from accelkit.checkpoint.write import background
 
     background.wait()
-    where = objectstore.location(source)
-    if where is not None:
-        from accelkit.checkpoint.read.pretrained import fetched_pretrained
-        from accelkit.checkpoint.store import s3
-
-        if s3.holds_checkpoint(where, storage_options):
-            if rename is not None or strip_prefix or add_prefix:
-                raise CheckpointError(
-                    f"{where} is an accelkit checkpoint: its names are the model's own; rename, "
-                    "strip_prefix and add_prefix apply to safetensors sources only"
-                )
-            load(
-                accel,
-                where,
-                {"model": model},
-                strict=strict,
-                rng=False,
-                storage_options=storage_options,
+    store = store_for(source, storage_options)
+    if store.is_checkpoint(str(source)):
+        if rename is not None or strip_prefix or add_prefix:
+            raise CheckpointError(
+                f"{store.display(str(source))} is an accelkit checkpoint: its names are the "
+                "model's own; rename, strip_prefix and add_prefix apply to safetensors sources "
+                "only"
             )
-            return
-        with fetched_pretrained(where, storage_options) as local:
+        load(
+            accel,
+            source,
+            {"model": model},
+            strict=strict,
+            rng=False,
+            storage_options=storage_options,
+        )
+        return
+    if store.local_directory(str(source)) is None:  # fetched to a local folder first
+        from accelkit.checkpoint.read.pretrained import fetched_pretrained
+
+        with fetched_pretrained(store, str(source)) as local:
             load_pretrained(
                 accel,
                 model,
@@ -215,18 +222,7 @@ def load_pretrained(
                 add_prefix=add_prefix,
             )
         return
-    _no_options(storage_options, source)
     source = Path(source)
-    if source.is_dir() and (
-        (source / "accelkit.json").is_file() or (source / storage.LATEST_NAME).is_file()
-    ):
-        if rename is not None or strip_prefix or add_prefix:
-            raise CheckpointError(
-                f"{source} is an accelkit checkpoint: its names are the model's own; rename, "
-                "strip_prefix and add_prefix apply to safetensors sources only"
-            )
-        load(accel, source, {"model": model}, strict=strict, rng=False)
-        return
     backend = backend_of(accel)
     reader, error = None, None
     try:
@@ -250,15 +246,22 @@ def _load(
     rng: bool,
     verify: bool,
     storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    where = objectstore.location(path)
+) -> tuple[dict[str, Any], Manifest]:
+    """One load, on any store: ``latest`` resolved once, the manifest read once; a local
+    directory is read in place, any other store through a partial local copy."""
+    store = store_for(path, storage_options)
     profile = profiling.SaveProfile()
-    if where is not None:  # object storage: the disk reader, over a copy fetched as it reads
-        from accelkit.checkpoint.read import s3_copy as remote_load
+    with profile.phase("open"):
+        target = store.resolve(str(path))
+        raw = store.read_manifest(target)
+        directory = store.local_directory(target)
+    if directory is None:
+        from accelkit.checkpoint.read import ranged_copy
 
-        with remote_load.opened(
-            where,
-            storage_options,
+        with ranged_copy.opened(
+            store,
+            target,
+            raw,
             rank=backend.rank,
             world=backend.world_size,
             strict=strict,
@@ -267,15 +270,14 @@ def _load(
         ) as reader:
             unconsumed = _load_from(backend, reader, state, rng=rng, profile=profile)
         profiling.record(profile, "load")
-        return unconsumed
-    _no_options(storage_options, path)
+        return unconsumed, reader.manifest
     with profile.phase("open"):
-        directory = storage.resolve(path)
-        reader = CheckpointReader(directory, strict=strict, verify=verify)
+        manifest = _manifest(store, target, raw)
+        reader = CheckpointReader(directory, strict=strict, verify=verify, manifest=manifest)
     with reader:
         unconsumed = _load_from(backend, reader, state, rng=rng, profile=profile)
     profiling.record(profile, "load")
-    return unconsumed
+    return unconsumed, manifest
 
 
 def _load_from(
@@ -287,7 +289,6 @@ def _load_from(
     profile: profiling.SaveProfile | None = None,
 ) -> dict[str, Any]:
     """Validate everything (no live object is touched), agree across ranks, then commit."""
-    same_source.check_same_checkpoint(reader.manifest, reader.directory)
     profile = profile or profiling.SaveProfile()
     error: BaseException | None = None
     try:

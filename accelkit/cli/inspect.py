@@ -27,7 +27,9 @@ def _size(nbytes: float) -> str:
     return ""
 
 
-def summary_lines(reader: Any) -> list[str]:
+def summary_lines(reader: Any, cited: str | None = None) -> list[str]:
+    """The summary ``inspect`` prints; ``cited``: where the checkpoint is (a URL), when the
+    reader reads a downloaded copy."""
     import torch
 
     from accelkit.checkpoint.format.safetensors_io import DTYPES_BY_NAME
@@ -43,7 +45,7 @@ def summary_lines(reader: Any) -> list[str]:
         else "?"
     )
     lines = [
-        f"checkpoint  {reader.directory}",
+        f"checkpoint  {cited or reader.directory}",
         f"format      {data.get('format')} {data.get('format_version')}",
         "written by  " + ", ".join(f"{k} {v}" for k, v in writer.items()) + f"; {when}",
         f"world size  {data.get('world_size')}   precision {data.get('precision')}   "
@@ -80,14 +82,14 @@ def summary_lines(reader: Any) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from accelkit.checkpoint.formats.transfer import local_paths
-    from accelkit.checkpoint.store import s3 as remote
-    from accelkit.checkpoint.store import s3_client as objectstore
+    from accelkit.checkpoint.store import store_for
     from accelkit.errors import CheckpointError
 
     try:
-        # an s3:// checkpoint is downloaded first; messages name its objects
-        where = objectstore.location(args.checkpoint)
-        cited = str(args.checkpoint if where is None else remote.resolve(where))
+        # a checkpoint in object storage is downloaded first; what is printed names its location
+        store = store_for(args.checkpoint)
+        remote = store.local_directory(str(args.checkpoint)) is None
+        cited = store.resolve(str(args.checkpoint)) if remote else str(args.checkpoint)
         with local_paths(args.checkpoint) as (local, _, _):
             return _inspect(args, local, cited)
     except CheckpointError as err:
@@ -103,7 +105,7 @@ def _inspect(args: argparse.Namespace, path: Any, cited: str) -> int:
         if args.json:
             print(json.dumps(reader.manifest.data, indent=1))
         else:
-            print("\n".join(summary_lines(reader)))
+            print("\n".join(summary_lines(reader, cited if str(path) != cited else None)))
         if args.tensors:
             print("tensors")
             for e in reader.manifest.tensors:

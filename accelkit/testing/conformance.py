@@ -55,10 +55,9 @@ from typing import Any, ClassVar
 import pytest
 
 from accelkit.testing import _module_folders, run_ranks
-from accelkit.testing.contract_runs import (  # the constants stay importable from here
+from accelkit.testing.contract_runs import (
     ACCUMULATION,
     CLIP,
-    GLOBAL_BATCH,  # noqa: F401  (plugins import it from here)
     SAVE_AT,
     STEPS,
     MLPWorkload,

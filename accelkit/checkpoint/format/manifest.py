@@ -169,8 +169,26 @@ class Manifest:
                 "save did not complete"
             )
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise CheckpointError(f"{path}: unreadable manifest: {err}") from err
+        return cls.parse(raw, str(path), Path(directory), verify_checksum=verify_checksum)
+
+    @classmethod
+    def parse(
+        cls,
+        raw: bytes,
+        source: str,
+        directory: str | os.PathLike | None = None,
+        *,
+        verify_checksum: bool = True,
+    ) -> Manifest:
+        """The manifest of the bytes ``raw`` (read once, wherever they are stored; ``source``
+        names them in errors), checked as :meth:`read` checks a file."""
+        path = source
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{path}: unreadable manifest: {err}") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not an accelkit checkpoint manifest")
@@ -197,7 +215,7 @@ class Manifest:
                 )
         check_schema(data, path)
         tensors = [TensorEntry.from_json(t) for t in data["tensors"]]
-        manifest = cls(data, tensors, Path(directory))
+        manifest = cls(data, tensors, Path(directory) if directory is not None else None)
         manifest.validate()
         return manifest
 

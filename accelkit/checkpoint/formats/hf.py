@@ -112,7 +112,19 @@ def find_config(reader: CheckpointReader, obj: str) -> str | None:
     if isinstance(info.get("hf_config"), dict):
         return json.dumps(info["hf_config"], indent=2, sort_keys=True) + "\n"
     source = info.get("pretrained_from")
-    if isinstance(source, str) and (Path(source) / "config.json").is_file():
+    if not isinstance(source, str):
+        return None
+    from accelkit.checkpoint.store import scheme_of, store_for
+    from accelkit.errors import CheckpointError
+
+    if scheme_of(source):  # weights loaded from object storage: its config.json, if it has one
+        try:
+            store = store_for(source)
+            where = store.where(source)
+            return store.bucket(where).get(where.child("config.json").key)[0].decode()
+        except (CheckpointError, AttributeError, UnicodeDecodeError):
+            return None
+    if (Path(source) / "config.json").is_file():
         return (Path(source) / "config.json").read_text()
     return None
 

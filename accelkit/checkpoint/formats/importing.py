@@ -29,7 +29,6 @@ from accelkit.checkpoint.format.manifest import (
 from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, LazyTensor, write_file
 from accelkit.checkpoint.progress import progress_bar
 from accelkit.checkpoint.shards.fragments import param_group_hyperparams
-from accelkit.checkpoint.store import posix as storage
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
@@ -50,11 +49,12 @@ def write_portable(
     imported: Imported, dst: str | os.PathLike, *, progress: bool | None = None
 ) -> Path:
     """Write ``imported`` as a world-size-1 portable checkpoint at ``dst`` (atomically)."""
+    from accelkit.checkpoint.store import posix
     from accelkit.checkpoint.write.writer import _build_manifest, finalize
 
     path = Path(dst).absolute()
-    storage.prepare(path)
-    tmp = storage.temp_dir(path)
+    posix.prepare(path)
+    tmp = posix.temp_dir(path)
 
     def sink(obj: str, kind: str):
         def put(where: str, tensor: torch.Tensor) -> str:

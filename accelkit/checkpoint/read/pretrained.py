@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from accelkit.checkpoint.format.manifest import (
     FORMAT,
@@ -28,9 +28,6 @@ from accelkit.checkpoint.format.manifest import (
     TensorEntry,
 )
 from accelkit.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from accelkit.checkpoint.store.s3_client import S3Location
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -151,27 +148,36 @@ def open_pretrained(
     )
 
 
+def cited(err: CheckpointError, pairs: list[tuple[Path, Any]]) -> CheckpointError:
+    """``err`` with each local path of ``pairs`` replaced by its store's location."""
+    message = str(err)
+    for local, where in pairs:
+        message = message.replace(str(local), str(where))
+    out = type(err)(message)
+    for attr, value in vars(err).items():
+        setattr(out, attr, value)
+    return out
+
+
 @contextmanager
-def fetched_pretrained(
-    where: S3Location, storage_options: dict[str, Any] | None = None
-) -> Iterator[Path]:
-    """Pretrained safetensors at ``where`` (one ``.safetensors`` object, or a prefix with
-    ``model.safetensors`` or the shards of ``model.safetensors.index.json``) in a local
-    temporary directory; what it yields is what :func:`load_pretrained` takes."""
-    from accelkit.checkpoint.store import s3_client as objectstore
-    from accelkit.checkpoint.store.s3 import _cited, download
+def fetched_pretrained(store: Any, source: str) -> Iterator[Path]:
+    """Pretrained safetensors at ``source`` in object storage (one ``.safetensors`` object, or
+    a prefix with ``model.safetensors`` or the shards of ``model.safetensors.index.json``) in a
+    local temporary directory; what it yields is what :func:`load_pretrained` takes."""
+    from accelkit.checkpoint.format.manifest import MANIFEST_NAME
     from accelkit.checkpoint.store.scratch import LOAD_PREFIX, staging
 
-    store = objectstore.store_for(where, storage_options)
-    single = bool(where.key) and store.head(where.key) is not None  # an object, not a prefix
+    where = store.where(source)
+    bucket = store.bucket(where)
+    single = bool(where.key) and bucket.head(where.key) is not None  # an object, not a prefix
     with staging(LOAD_PREFIX) as folder:
         local = folder / ("object" if single else (where.name or where.bucket))
         local.mkdir()
         if single:
-            download(where.parent, local, [where.name], storage_options)
+            store.download(where.parent, local, [where.name])
             yielded = local / where.name
-        elif store.head(where.child(INDEX_NAME).key) is not None:
-            raw = store.get(where.child(INDEX_NAME).key)
+        elif bucket.head(where.child(INDEX_NAME).key) is not None:
+            raw, _ = bucket.get(where.child(INDEX_NAME).key)
             (local / INDEX_NAME).write_bytes(raw)
             try:
                 names = sorted(set(json.loads(raw)["weight_map"].values()))
@@ -179,18 +185,17 @@ def fetched_pretrained(
                 raise CheckpointError(
                     f"{where.child(INDEX_NAME)}: not a safetensors index ({err})"
                 ) from err
-            prefix = f"{where.key}/"
-            present = {key[len(prefix) :] for key, _ in store.list(prefix)}
+            present = {o.key[len(where.prefix) :] for o in bucket.list(where.prefix)}
             missing = [str(where.child(n)) for n in names if n not in present]
             if missing:
                 raise CheckpointError(
                     f"{where.child(INDEX_NAME)} names {', '.join(missing)}, which the store "
                     "does not hold; the upload or copy is incomplete"
                 )
-            download(where, local, names, storage_options)
+            store.download(where, local, names)
             yielded = local
-        elif store.head(where.child(SINGLE_NAME).key) is not None:
-            download(where, local, [SINGLE_NAME], storage_options)
+        elif bucket.head(where.child(SINGLE_NAME).key) is not None:
+            store.download(where, local, [SINGLE_NAME])
             yielded = local
         else:
             raise CheckpointError(
@@ -202,4 +207,4 @@ def fetched_pretrained(
             yield yielded
         except CheckpointError as err:
             pairs = [(yielded, where), (local, where.parent if single else where)]
-            raise _cited(err, pairs) from err
+            raise cited(err, pairs) from err

@@ -117,7 +117,7 @@ class CheckpointReader:
         """``manifest``: read these files as it describes them (pretrained safetensors, which
         have no ``accelkit.json``; ``described_by`` names what the messages cite instead).
         ``ensure(file, offset, nbytes)``: called before each read of a rank file's bytes, to bring
-        in those not there yet (:mod:`accelkit.checkpoint.read.s3_copy`), or raise CheckpointError."""
+        in those not there yet (:mod:`accelkit.checkpoint.read.ranged_copy`), or raise CheckpointError."""
         from accelkit.checkpoint.store.posix import resolve
 
         self.directory = resolve(directory) if manifest is None else Path(directory)

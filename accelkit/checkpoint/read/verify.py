@@ -27,7 +27,7 @@ def share_spans(reader: Any, rank: int, world: int) -> list[Span]:
     """This rank's share of all fragments, in file order: a fragment belongs to the rank whose
     ``1/world`` slice of the bytes it starts in. Every rank computes every share alike, so each
     fragment is checked by exactly one rank (an object-storage load downloads its share first
-    and hashes it while it arrives, :mod:`accelkit.checkpoint.read.s3_copy`)."""
+    and hashes it while it arrives, :mod:`accelkit.checkpoint.read.ranged_copy`)."""
     spans = []
     for entry in reader.manifest.tensors:
         for i in range(len(entry.fragments)):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import re
@@ -23,12 +22,17 @@ import threading
 import uuid
 from pathlib import Path
 
-from accelkit.checkpoint.format.manifest import MANIFEST_NAME
+from accelkit.checkpoint.format.manifest import EXTRA_NAME, MANIFEST_NAME
+from accelkit.checkpoint.store.names import (
+    LATEST_NAME,
+    manifest_step,
+    natural_key,
+    rotation_pattern,
+)
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
 
-LATEST_NAME = "latest"
 MARKER_NAME = ".accelkit-shared-check"
 TMP_SUFFIX = ".accelkit-tmp"
 TRASH_SUFFIX = ".accelkit-trash"
@@ -39,8 +43,17 @@ _in_progress: dict[Path, int] = {}
 _in_progress_lock = threading.Lock()
 
 
-def temp_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}{TMP_SUFFIX}"
+def temp_dir(path: Path, save_id: str = "") -> Path:
+    """Where the save ``save_id`` of ``path`` is written before its rename: a sibling of its
+    own, so two saves of one name never write into one directory."""
+    middle = f".{save_id}" if save_id else ""
+    return path.parent / f".{path.name}{middle}{TMP_SUFFIX}"
+
+
+def _saved_name(temporary_name: str) -> str:
+    """The checkpoint name of a temporary sibling's name (``.step-2.<save>.accelkit-tmp``)."""
+    name = temporary_name[1 : -len(TMP_SUFFIX)]
+    return re.sub(r"\.[0-9a-f]{12}$", "", name)
 
 
 def _claim(temporary: Path) -> None:
@@ -84,7 +97,7 @@ def sweep(path: Path) -> list[Path]:
             stale.unlink(missing_ok=True)
             removed.append(stale)
     for stale in parent.glob(f".*{TMP_SUFFIX}"):
-        name = stale.name[1 : -len(TMP_SUFFIX)]
+        name = _saved_name(stale.name)
         if rotation_pattern(name) == pattern and stale.is_dir() and not _claimed(stale):
             shutil.rmtree(stale, ignore_errors=True)
             removed.append(stale)
@@ -115,7 +128,7 @@ def is_checkpoint(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
 
 
-def prepare(path: Path) -> str:
+def prepare(path: Path, save_id: str = "") -> str:
     """Create the empty temporary sibling of ``path`` with a marker; return the marker's token."""
     occupied = path.exists() and (not path.is_dir() or any(path.iterdir()))
     if occupied and not is_checkpoint(path):
@@ -123,20 +136,20 @@ def prepare(path: Path) -> str:
             f"{path} exists and is not an accelkit checkpoint; refusing to replace it"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_dir(path)
+    tmp = temp_dir(path, save_id)
     _claim(tmp)
     sweep(path)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    token = uuid.uuid4().hex
+    token = save_id or uuid.uuid4().hex
     (tmp / MARKER_NAME).write_text(token)
     return token
 
 
-def sees_marker(path: Path, token: str) -> bool:
+def sees_marker(path: Path, token: str, save_id: str = "") -> bool:
     try:
-        return (temp_dir(path) / MARKER_NAME).read_text() == token
+        return (temp_dir(path, save_id) / MARKER_NAME).read_text() == token
     except OSError:
         return False
 
@@ -153,9 +166,16 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def commit(path: Path) -> None:
+def commit(path: Path, save_id: str = "") -> None:
     """Move the finished temporary sibling to ``path`` (replacing an older checkpoint there)."""
-    tmp = temp_dir(path)
+    tmp = temp_dir(path, save_id)
+    if not (tmp / MARKER_NAME).is_file():
+        _release(tmp)
+        raise CheckpointError(
+            f"saving {path}: its temporary directory {tmp} is gone. Another job writes here "
+            "(its save removed this one's); nothing was committed. Give each job its own "
+            "location."
+        )
     (tmp / MARKER_NAME).unlink(missing_ok=True)
     fsync_dir(tmp)
     try:
@@ -267,30 +287,12 @@ def resolve(path: str | os.PathLike) -> Path:
     )
 
 
-def rotation_pattern(name: str) -> str:
-    """``step-1200`` and ``step-900`` share the pattern ``step-#``: they rotate together."""
-    return re.sub(r"\d+", "#", name)
-
-
 def recorded_step(path: Path) -> int | None:
     """The training step ``path``'s manifest records (``step``, else ``applied_steps``)."""
     try:
-        manifest = json.loads((path / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+        return manifest_step((path / MANIFEST_NAME).read_bytes())
+    except OSError:
         return None
-    if not isinstance(manifest, dict):
-        return None
-    for field in ("step", "applied_steps"):
-        value = manifest.get(field)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def natural_key(name: str) -> tuple:
-    """``step-9`` before ``step-10``: digit runs compare as numbers."""
-    parts = re.split(r"(\d+)", name)
-    return tuple(int(part) if index % 2 else part for index, part in enumerate(parts))
 
 
 def checkpoint_order(path: Path) -> tuple:
@@ -328,3 +330,174 @@ def rotate(path: Path, keep_last: int) -> list[Path]:
         deleted.append(old)
         log.info("removed old checkpoint %s (keep_last=%d)", old, keep_last)
     return deleted
+
+
+def _followed_past(target: Path) -> Path:
+    """``target`` (what ``latest`` names), or a committed sibling of its name pattern with a
+    higher recorded step: a save that committed and was killed before it moved ``latest``."""
+    pattern, step = rotation_pattern(target.name), recorded_step(target)
+    best, best_step = target, step
+    for sibling in target.parent.iterdir():
+        if (
+            sibling.name.startswith(".")
+            or sibling.name == target.name
+            or rotation_pattern(sibling.name) != pattern
+            or sibling.is_symlink()
+            or not is_checkpoint(sibling)
+        ):
+            continue
+        found = recorded_step(sibling)
+        if found is not None and (best_step is None or found > best_step):
+            best, best_step = sibling, found
+    if best != target:
+        log.warning(
+            "%s names %s, but %s is committed with a higher step (a save that died before it "
+            "moved '%s'): using %s",
+            target.parent / LATEST_NAME,
+            target.name,
+            best.name,
+            LATEST_NAME,
+            best,
+        )
+    return best
+
+
+class _LocalFile:
+    """A rank file on a local disk, for ranged reads (:meth:`PosixStore.open_ranged`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.name, self.size = path, path.name, path.stat().st_size
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            if f.readinto(view) != view.nbytes:
+                raise CheckpointError(f"{self.path}: shorter than expected")
+
+
+class _Target:
+    def __init__(self, path: Path) -> None:
+        self.sink, self.path = None, path
+
+
+class PosixStore:
+    """Checkpoints in a directory of a local or shared filesystem: the save writes into a
+    temporary sibling of its own and commits by an atomic rename (the module's docstring)."""
+
+    scheme = ""
+
+    def child(self, where: str, name: str) -> str:
+        return str(Path(where) / name)
+
+    def display(self, where: str) -> str:
+        return str(where)
+
+    # ---- finding --------------------------------------------------------------------------------
+    def resolve(self, where: str) -> str:
+        path = Path(where)
+        found = resolve(path)
+        return str(found if found == path else _followed_past(found))
+
+    def newest(self, where: str) -> str | None:
+        directory = Path(where)
+        if not directory.exists():
+            return None
+        if is_checkpoint(directory):
+            return str(directory)
+        if (directory / LATEST_NAME).is_file():
+            try:
+                return self.resolve(where)
+            except CheckpointError as err:
+                log.warning("%s; looking for the newest complete checkpoint instead", err)
+        candidates = []
+        for entry in directory.iterdir():
+            if entry.name.startswith(".") or not entry.is_dir() or not is_checkpoint(entry):
+                continue
+            try:
+                inside(directory, entry.name)
+            except CheckpointError as err:
+                log.warning("%s; not a candidate to resume from", err)
+                continue
+            candidates.append(entry)
+        return str(max(candidates, key=checkpoint_order)) if candidates else None
+
+    def recorded_step(self, where: str) -> int | None:
+        return recorded_step(Path(where))
+
+    def read_manifest(self, where: str) -> bytes:
+        return (Path(where) / MANIFEST_NAME).read_bytes()
+
+    def is_checkpoint(self, where: str) -> bool:
+        path = Path(where)
+        return path.is_dir() and (is_checkpoint(path) or (path / LATEST_NAME).is_file())
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def prepare(self, where: str, save_id: str) -> None:
+        prepare(Path(where), save_id)
+
+    def check_prepared(self, where: str, save_id: str) -> str | None:
+        if sees_marker(Path(where), save_id, save_id):
+            return None
+        return (
+            f"cannot see {temp_dir(Path(where), save_id)}, which rank 0 created. Every rank "
+            "must write to the same directory on a filesystem they all share (NFS, Lustre, a "
+            "single machine's disk)."
+        )
+
+    def rank_file_name(self, rank: int, save_id: str) -> str:
+        return f"rank-{rank:05d}.safetensors"  # the temporary sibling is the save's own
+
+    def open_rank_file(self, where: str, save_id: str, name: str, *, asynchronous: bool, profile):
+        from contextlib import nullcontext
+
+        return nullcontext(_Target(temp_dir(Path(where), save_id) / name))
+
+    def commit(
+        self,
+        where: str,
+        save_id: str,
+        manifest: bytes,
+        files: dict[str, int],
+        extras: bytes | None,
+    ) -> None:
+        path = Path(where)
+        tmp = temp_dir(path, save_id)
+        for name, size in files.items():
+            try:
+                found = (tmp / name).stat().st_size
+            except OSError:
+                found = None
+            if found != size:
+                raise CheckpointError(
+                    f"{tmp / name}: expected {size} bytes, found {found}. Another job writes "
+                    f"here ({path}), or removed this save's files; nothing was committed."
+                )
+        if extras is not None:
+            (tmp / EXTRA_NAME).write_bytes(extras)
+            fsync_file(tmp / EXTRA_NAME)
+        (tmp / MANIFEST_NAME).write_bytes(manifest)
+        fsync_file(tmp / MANIFEST_NAME)
+        commit(path, save_id)
+
+    def point_latest(self, where: str) -> None:
+        write_latest(Path(where))
+
+    def rotate(self, where: str, keep_last: int) -> list[str]:
+        return [str(p) for p in rotate(Path(where), keep_last)]
+
+    def sweep(self, where: str) -> list[str]:
+        return []  # a disk save sweeps before it writes (prepare): nothing is left to do
+
+    # ---- loading --------------------------------------------------------------------------------
+    def local_directory(self, where: str) -> Path | None:
+        return Path(where)
+
+    def open_ranged(self, where: str, name: str) -> _LocalFile:
+        return _LocalFile(inside(where, name))
+
+    def download(self, where: str, dest: Path) -> None:
+        shutil.copytree(where, dest, dirs_exist_ok=True)
+
+    def upload(self, local: Path, where: str) -> None:
+        if Path(local).resolve() != Path(where).resolve():
+            shutil.copytree(local, where, dirs_exist_ok=True)

@@ -1,49 +1,53 @@
-"""Where a checkpoint path points: a local directory, or an object in S3-compatible storage.
+"""S3-compatible object storage (``s3://bucket/prefix``): :class:`S3Bucket`, the few object
+operations a checkpoint needs (the :class:`~accelkit.checkpoint.store.base.Bucket` protocol) over
+boto3, the optional extra ``accelkit[s3]``.
 
-``s3://bucket/prefix`` is served by :class:`ObjectStore`, a small interface (put, get a range,
-list, delete, conditional create) over boto3, the optional extra ``accelkit[s3]``. boto3 was
-chosen by measurement against obstore, s3fs and the S3 connector for PyTorch on the same server
-(docs/checkpoint.md, "Object storage"), and it reads the standard configuration itself:
-``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``,
-``AWS_PROFILE`` and the shared config files. ``storage_options`` overrides them per call.
-
-A path with any other scheme (``gs://``, ``hdfs://``) is refused, never written as a local
-folder named ``gs:``. Local paths never import anything from here beyond :func:`location`.
+boto3 was chosen by measurement against obstore, s3fs and the S3 connector for PyTorch on the
+same server (docs/checkpoint.md, "Object storage"), and it reads the standard configuration
+itself: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_DEFAULT_REGION``, ``AWS_PROFILE`` and the shared config files. ``storage_options``
+overrides them per call. Every request is retried (botocore's standard mode), and so is a body
+cut mid-way, which botocore does not retry: a small GET's as a large one's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accelkit.checkpoint.store.base import (
+    BucketMissing,
+    ObjectExists,
+    ObjectMissing,
+    StoredObject,
+    VersionChanged,
+)
 from accelkit.errors import CheckpointError
 
 log = logging.getLogger("accelkit")
 
-__all__ = ["ObjectStore", "S3Location", "location", "store_for"]
+__all__ = ["S3Bucket", "UploadSink", "bucket_for"]
 
-SCHEMES = ("s3",)
 INSTALL_HINT = "pip install 'accelkit[s3]'"
 #: multipart part size (larger for objects of over ``MAX_PARTS`` of them) and the parallel
 #: requests of one transfer
 PART_BYTES = 8 << 20
 MAX_PARTS = 10_000
 CONCURRENCY = 8
-#: attempts per request (botocore's standard mode: bounded exponential backoff)
+#: attempts per request (botocore's standard mode: bounded exponential backoff), and of a
+#: body cut mid-way (botocore retries none)
 MAX_ATTEMPTS = 5
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 60
+#: the first pause before a body is asked for again (doubled each time)
+RETRY_PAUSE_S = 0.1
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-#: what Path("s3://b/k") becomes: "s3:/b/k"
-_FOLDED = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
 #: the storage_options accelkit understands (besides ``profile``), as boto3 client arguments
 _CLIENT_OPTIONS = {
     "endpoint_url": "endpoint_url",
@@ -60,68 +64,6 @@ _CLIENT_OPTIONS = {
 }
 
 
-@dataclass(frozen=True)
-class S3Location:
-    """``s3://bucket/key``: ``key`` is a prefix without a trailing slash (a "directory")."""
-
-    bucket: str
-    key: str
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}" if self.key else f"s3://{self.bucket}"
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> S3Location:
-        return S3Location(self.bucket, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
-
-    def child(self, name: str) -> S3Location:
-        return S3Location(self.bucket, f"{self.key}/{name}" if self.key else name)
-
-
-def scheme_of(path: Any) -> str | None:
-    """The URL scheme of ``path`` (``"s3"``), or None for a local path."""
-    if isinstance(path, S3Location):
-        return "s3"
-    if not isinstance(path, str):
-        return None
-    match = _SCHEME.match(path)
-    return match.group(1).lower() if match else None
-
-
-def location(path: Any) -> S3Location | None:
-    """The object-storage location ``path`` names, None for a local path; any other scheme is
-    refused with the list of what is supported."""
-    if isinstance(path, S3Location):
-        return path
-    if isinstance(path, os.PathLike) and _FOLDED.match(os.fspath(path)):
-        raise CheckpointError(
-            f"{path}: a URL made into a pathlib.Path, which folds its '//' ({os.fspath(path)!r}); "
-            "pass the URL as a string (s3://bucket/prefix)"
-        )
-    scheme = scheme_of(path)
-    if scheme is None:
-        return None
-    if scheme not in SCHEMES:
-        raise CheckpointError(
-            f"{path}: the scheme {scheme}:// is not supported; accelkit reads and writes "
-            "checkpoints on a local or shared filesystem (a path) and in S3-compatible object "
-            f"storage (s3://bucket/prefix, with {INSTALL_HINT}). For another store, mount it "
-            "as a filesystem or use its S3-compatible endpoint."
-        )
-    rest = path[len(scheme) + 3 :]
-    bucket, _, key = rest.partition("/")
-    key = key.strip("/")
-    if not bucket or "//" in key or any(part in (".", "..") for part in key.split("/")):
-        raise CheckpointError(
-            f"{path}: not a valid S3 location; write it as s3://bucket/prefix/name"
-        )
-    return S3Location(bucket, key)
-
-
 def _boto3() -> Any:
     try:
         import boto3
@@ -133,18 +75,6 @@ def _boto3() -> Any:
     return boto3, botocore
 
 
-class ObjectMissing(CheckpointError):
-    """The object (or the bucket) does not exist."""
-
-
-class BucketMissing(ObjectMissing):
-    """The bucket does not exist."""
-
-
-class ObjectExists(CheckpointError):
-    """A conditional create found the object already there."""
-
-
 def part_bytes(size: int) -> int:
     """The part size of a multipart upload of ``size`` bytes: 8 MiB, or whole MiBs enough to stay
     within S3's 10,000 parts (an 80 GB rank file takes 9 MiB parts)."""
@@ -152,8 +82,12 @@ def part_bytes(size: int) -> int:
     return max(PART_BYTES, -(-least // (1 << 20)) << 20)
 
 
-class ObjectStore:
-    """One bucket of an S3-compatible store: the few operations a checkpoint needs."""
+class S3Bucket:
+    """One bucket of an S3-compatible store: the few operations a checkpoint needs (a
+    :class:`~accelkit.checkpoint.store.base.Bucket`)."""
+
+    scheme = "s3"
+    part_bytes = PART_BYTES
 
     def __init__(self, bucket: str, storage_options: dict[str, Any] | None = None) -> None:
         boto3, botocore = _boto3()
@@ -175,7 +109,7 @@ class ObjectStore:
             max_pool_connections=2 * CONCURRENCY,
         )
         session = boto3.session.Session(profile_name=profile)
-        self.bucket = bucket
+        self.bucket = self.name = bucket
         self.client = session.client("s3", config=config, **client_args)
         self._botocore = botocore
 
@@ -235,18 +169,17 @@ class ObjectStore:
             raise self._error(err, key, doing) from err
 
     # ---- operations ---------------------------------------------------------------------------
-    def head(self, key: str) -> int | None:
-        """The object's size, or None where it does not exist."""
+    def head(self, key: str) -> StoredObject | None:
+        """The object ``key``, or None where it does not exist."""
         try:
-            return self._call("reading", key, self.client.head_object, Bucket=self.bucket, Key=key)[
-                "ContentLength"
-            ]
+            reply = self._call("reading", key, self.client.head_object, Bucket=self.bucket, Key=key)
         except BucketMissing:
             raise
         except ObjectMissing:
             return None
+        return StoredObject(key, reply["ContentLength"], reply.get("ETag", ""))
 
-    def check_bucket(self) -> None:
+    def check(self) -> None:
         """Raise a clear error where the bucket does not exist or cannot be reached (a HEAD of
         a missing object cannot tell a missing bucket from a missing key)."""
         try:
@@ -260,44 +193,80 @@ class ObjectStore:
                 ) from err
             raise error from err
 
-    def get(self, key: str) -> bytes:
-        reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)
-        return self._read_body(reply, key)
+    def get(self, key: str) -> tuple[bytes, str]:
+        """The whole object and its ETag; a body cut mid-way is asked for again, as a failed
+        request is."""
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)
+            try:
+                data = reply["Body"].read()
+            except Exception as err:
+                if attempt == MAX_ATTEMPTS:
+                    raise self._error(err, key, "reading") from err
+                time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
+                continue
+            expected = reply.get("ContentLength")
+            if expected is None or len(data) == expected:
+                return data, reply.get("ETag", "")
+            if attempt == MAX_ATTEMPTS:
+                raise CheckpointError(
+                    f"reading s3://{self.bucket}/{key}: {len(data)} of {expected} bytes after "
+                    f"{MAX_ATTEMPTS} attempts"
+                )
+            time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
 
-    def _read_body(self, reply: dict[str, Any], key: str) -> bytes:
-        try:
-            return reply["Body"].read()
-        except Exception as err:
-            raise self._error(err, key, "reading") from err
-
-    def read_into(self, key: str, view: memoryview, offset: int) -> None:
-        """Fill ``view`` with the object's bytes from ``offset`` (one ranged GET; a short or
-        broken body raises, and is retried once)."""
+    def read_into(
+        self, key: str, view: memoryview, offset: int, version: str | None = None
+    ) -> None:
+        """Fill ``view`` with the object's bytes from ``offset`` (one ranged GET; pinned to
+        ``version``, an ETag, with ``If-Match``). A short or broken body is asked for again, up
+        to :data:`MAX_ATTEMPTS` times; the bytes already in are kept."""
         if not view.nbytes:
             return
-        rng = f"bytes={offset}-{offset + view.nbytes - 1}"
-        for attempt in (1, 2):
-            reply = self._call(
-                "reading", key, self.client.get_object, Bucket=self.bucket, Key=key, Range=rng
-            )
-            body, done = reply["Body"], 0
+        done = 0
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            rng = f"bytes={offset + done}-{offset + view.nbytes - 1}"
+            pinned = {"IfMatch": version} if version else {}
+            try:
+                reply = self._call(
+                    "reading",
+                    key,
+                    self.client.get_object,
+                    Bucket=self.bucket,
+                    Key=key,
+                    Range=rng,
+                    **pinned,
+                )
+            except ObjectExists as err:  # 412: If-Match failed
+                raise VersionChanged(
+                    f"reading s3://{self.bucket}/{key}: the object was replaced during the load "
+                    f"(it is no longer the version {version} the load checked); load again"
+                ) from err
+            body = reply["Body"]
             try:
                 while done < view.nbytes:
-                    n = body.readinto(view[done:])
+                    # released at once, even on an error: a slice a traceback kept would pin
+                    # the load's mapped copy (BufferError at its close)
+                    with view[done:] as part:
+                        n = body.readinto(part)
                     if not n:
                         break
                     done += n
             except Exception as err:
-                if attempt == 2:
-                    raise self._error(err, key, "reading") from err
-                continue
+                if attempt == MAX_ATTEMPTS:
+                    raise self._error(err, key, "reading") from None
+            finally:
+                body.close()
             if done == view.nbytes:
                 return
-            if attempt == 2:
+            if attempt == MAX_ATTEMPTS:
                 raise CheckpointError(
                     f"reading s3://{self.bucket}/{key}: {done} of {view.nbytes} bytes at "
-                    f"offset {offset} (the object is shorter than expected)"
+                    f"offset {offset} after {MAX_ATTEMPTS} attempts (the object is shorter than "
+                    "expected, or the network keeps cutting the answer)"
                 )
+            time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
 
     def download(self, key: str, dest: Path, size: int, pool: ThreadPoolExecutor) -> None:
         """The whole object into the local file ``dest``, by parallel ranged GETs."""
@@ -343,7 +312,7 @@ class ObjectStore:
 
             count = (size + step - 1) // step
             futures = [pool.submit(part, n) for n in range(1, count + 1)]
-            self.complete_upload(key, upload_id, [f.result() for f in futures])
+            self.complete_upload(key, upload_id, [f.result() for f in futures], size)
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -373,16 +342,26 @@ class ObjectStore:
         )
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
-    def complete_upload(self, key: str, upload_id: str, parts: list[dict[str, Any]]) -> None:
-        self._call(
-            "writing",
-            key,
-            self.client.complete_multipart_upload,
-            Bucket=self.bucket,
-            Key=key,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
-        )
+    def complete_upload(
+        self, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
+    ) -> None:
+        """Join the parts into the object ``key`` of ``size`` bytes. A retry whose first try
+        completed (its answer lost) finds the upload gone and the object there: success (a
+        save's keys are its own, so an object of that size is this upload's)."""
+        try:
+            self._call(
+                "writing",
+                key,
+                self.client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": sorted(parts, key=lambda p: p["PartNumber"])},
+            )
+        except ObjectMissing:
+            found = self.head(key)
+            if found is None or found.size != size:
+                raise
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Drop an unfinished upload's parts (best effort: the server may be why it failed; the
@@ -392,13 +371,13 @@ class ObjectStore:
         except Exception as err:
             log.warning("could not abort the multipart upload of %s: %s", key, err)
 
-    def list(self, prefix: str) -> Iterator[tuple[str, int]]:
-        """``(key, size)`` of every object under ``prefix``."""
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        """Every object whose key starts with ``prefix``."""
         paginator = self.client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
                 for item in page.get("Contents", []):
-                    yield item["Key"], item["Size"]
+                    yield StoredObject(item["Key"], item["Size"], item.get("ETag", ""))
         except Exception as err:
             raise self._error(err, prefix, "listing") from err
 
@@ -426,7 +405,11 @@ class ObjectStore:
                     Delete={"Objects": batch, "Quiet": True},
                 )
 
-    def abort_uploads(self, prefix: str, only: Any = None) -> int:
+    def sink(self, key: str, pool: ThreadPoolExecutor) -> UploadSink:
+        """Bytes written at offsets, uploaded part by part as they come (:class:`UploadSink`)."""
+        return UploadSink(self, key, pool)
+
+    def abort_uploads(self, prefix: str, only: Callable[[str], bool] | None = None) -> int:
         """Abort the unfinished multipart uploads under ``prefix`` (a killed save's parts);
         ``only(key)``: just those whose key it accepts."""
         try:
@@ -460,7 +443,7 @@ class UploadSink:
     work = "assemble"
 
     def __init__(
-        self, store: ObjectStore, key: str, pool: ThreadPoolExecutor, queued: int = CONCURRENCY
+        self, store: S3Bucket, key: str, pool: ThreadPoolExecutor, queued: int = CONCURRENCY
     ) -> None:
         self.store, self.key, self.pool, self.queued = store, key, pool, queued
         self.upload_id: str | None = None
@@ -546,7 +529,7 @@ class UploadSink:
             raise CheckpointError(
                 f"{where}: {len(parts)} of {count} parts were written; nothing was stored"
             )
-        self.store.complete_upload(self.key, self.upload_id, parts)
+        self.store.complete_upload(self.key, self.upload_id, parts, self.total)
         self.done = True
 
     def close(self) -> None:
@@ -566,12 +549,12 @@ class UploadSink:
         self.store.abort_upload(self.key, self.upload_id)
 
 
-_stores: dict[tuple[str, tuple], ObjectStore] = {}
-_stores_lock = threading.Lock()
+_buckets: dict[tuple[str, tuple], S3Bucket] = {}
+_buckets_lock = threading.Lock()
 
 
-def store_for(where: S3Location, storage_options: dict[str, Any] | None = None) -> ObjectStore:
-    """The store of ``where``'s bucket (one client per bucket, options and environment)."""
+def bucket_for(bucket: str, storage_options: dict[str, Any] | None = None) -> S3Bucket:
+    """The client of ``bucket`` (one per bucket, options and environment)."""
     env = tuple(
         os.environ.get(k)
         for k in (
@@ -582,9 +565,9 @@ def store_for(where: S3Location, storage_options: dict[str, Any] | None = None) 
             "AWS_PROFILE",
         )
     )
-    key = (where.bucket, tuple(sorted((storage_options or {}).items())) + env)
-    with _stores_lock:
-        store = _stores.get(key)
-        if store is None:
-            store = _stores[key] = ObjectStore(where.bucket, storage_options)
-        return store
+    key = (bucket, tuple(sorted((storage_options or {}).items())) + env)
+    with _buckets_lock:
+        found = _buckets.get(key)
+        if found is None:
+            found = _buckets[key] = S3Bucket(bucket, storage_options)
+        return found

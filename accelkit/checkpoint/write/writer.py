@@ -40,16 +40,14 @@ from accelkit.checkpoint.format.manifest import (
     EXTRA_OBJECT,
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST_NAME,
     RNG_OBJECT,
     FragmentRecord,
     Manifest,
     TensorEntry,
     rank_file_name,
 )
-from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, write_file
+from accelkit.checkpoint.format.safetensors_io import DTYPE_NAMES, layout, write_file
 from accelkit.checkpoint.shards.fragments import Fragment, ObjectInfo, StateObjects, classify_state
-from accelkit.checkpoint.store import posix as storage
 from accelkit.checkpoint.write import agreement as commit
 from accelkit.checkpoint.write import background
 from accelkit.checkpoint.write.agreement import agree, was_agreed  # noqa: F401  (callers import them here)
@@ -235,16 +233,16 @@ def _plan_rank(
 
 
 def _write_planned(
-    path: Path,
+    file_path: Path,
     record: dict[str, Any],
     to_write: list[tuple[str, Any]],
     checksum: str,
     profile: profiling.SaveProfile | None = None,
+    label: str = "",
 ) -> dict[str, Any]:
-    """Write a planned rank file (the tensors of ``to_write``) and complete its record."""
+    """Write a planned rank file (the tensors of ``to_write``) at ``file_path`` and complete
+    its record (``label`` names the checkpoint on the progress bar)."""
     rank = record["rank"]
-    file_name = record["file"]["name"]
-    file_path = storage.temp_dir(path) / file_name
     written = _unique_sibling(file_path)
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)}
     shared = None
@@ -264,7 +262,9 @@ def _write_planned(
                 written, to_write, spans, process, metadata, checksum, profile
             )
             return _complete(record, digests, checksum, written, file_path)
-    digests = _write_in_threads(written, path.name, rank, to_write, metadata, checksum, profile)
+    digests = _write_in_threads(
+        written, label or file_path.name, rank, to_write, metadata, checksum, profile
+    )
     return _complete(record, digests, checksum, written, file_path)
 
 
@@ -280,8 +280,10 @@ def _stream_planned(
     written) instead of a local file; complete its record."""
     rank = record["rank"]
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": str(rank)}
+    prefix, _ = layout(to_write, metadata)
+    total = len(prefix) + sum(t.numel() * t.dtype.itemsize for _, t in to_write)
     digests = _write_in_threads(sink, label, rank, to_write, metadata, checksum, profile)
-    return _with_digests(record, digests, checksum, sink.total)
+    return _with_digests(record, digests, checksum, total)
 
 
 def _write_in_threads(
@@ -469,21 +471,26 @@ def _build_manifest(
 
 
 def finalize(
-    path: Path,
+    path: Any,
     manifest: Manifest,
     extras: dict[str, Any],
     *,
     latest: bool,
     keep_last: int | None,
     writer: str = "",
+    store: Any = None,
+    save_id: str = "",
 ) -> None:
-    """Rank 0's last step: extra.json and the manifest into the temporary sibling, fsync,
-    rename into place, then the ``latest`` pointer and rotation."""
-    tmp = storage.temp_dir(path)
+    """Rank 0's last step: ``extra.json`` and the manifest, committed by the store (a rename,
+    or the manifest written last and conditionally); then the ``latest`` pointer and rotation,
+    whose failures are warnings: the checkpoint is committed once its manifest is there."""
+    from accelkit.checkpoint.store import store_for
+
+    store = store or store_for(path)
+    where = str(path)
+    raw = None
     if extras:
         raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
-        (tmp / EXTRA_NAME).write_bytes(raw)
-        storage.fsync_file(tmp / EXTRA_NAME)
         manifest.data["files"][EXTRA_NAME] = {
             "bytes": len(raw),
             "sha256": hashlib.sha256(raw).hexdigest(),
@@ -493,13 +500,26 @@ def finalize(
     except CheckpointError as err:
         who = writer or manifest.data.get("writer", {}).get("backend", "?")
         raise CheckpointError(f"backend {who!r} wrote an inconsistent checkpoint: {err}") from err
-    (tmp / MANIFEST_NAME).write_text(manifest.to_json_text())
-    storage.fsync_file(tmp / MANIFEST_NAME)
-    storage.commit(path)
+    files = {n: i["bytes"] for n, i in manifest.data["files"].items() if n != EXTRA_NAME}
+    store.commit(where, save_id, manifest.to_json_text().encode(), files, raw)
+    after = []
     if latest:
-        storage.write_latest(path)
+        after.append(("point latest at it", lambda: store.point_latest(where)))
     if keep_last is not None:
-        storage.rotate(path, keep_last)
+        after.append((f"rotate (keep_last={keep_last})", lambda: store.rotate(where, keep_last)))
+    after.append(("remove what earlier saves left", lambda: store.sweep(where)))
+    for doing, step in after:
+        try:
+            step()
+        except Exception as err:  # the checkpoint is committed: say so, and go on
+            log.warning(
+                "saved %s (committed), but could not %s: %s. 'latest' and auto_resume follow "
+                "past a stale pointer to the checkpoint of the highest step; the next save "
+                "retries the cleanup.",
+                store.display(where),
+                doing,
+                err,
+            )
 
 
 def save(
@@ -514,16 +534,23 @@ def save(
     exclude_frozen: bool = False,
     checksum: str = DEFAULT_CHECKSUM,
     asynchronous: bool = False,
-) -> Path:
-    """Write a portable checkpoint of ``state`` to directory ``path``; see :mod:`accelkit.checkpoint`.
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str:
+    """Write a portable checkpoint of ``state`` to ``path`` (a directory, or a location its
+    store serves); see :mod:`accelkit.checkpoint`.
 
     ``exclude_frozen`` leaves out parameters with ``requires_grad=False`` (the manifest says so,
     and loading does not count them missing). ``checksum``: each fragment's checksum,
     ``"xxh3_128"`` (fast, the default) or ``"sha256"`` (cryptographic). ``asynchronous``:
     return once the state is copied to host memory; writing and committing go on in the
     background (:mod:`accelkit.checkpoint.write.background`)."""
+    from accelkit.checkpoint.store import store_for
+
+    store = store_for(path, storage_options)
     background.wait()  # the save in flight commits (or raises) before this one starts
-    commit.roll_call("started", f"saving {path}")  # a rank that never comes is named, in time
+    where = store.display(path) if store.scheme else str(Path(path).absolute())
+    what = f"saving {where}"
+    commit.roll_call("started", what)  # a rank that never comes is named, in time
     started = time.perf_counter()
     profile = profiling.SaveProfile(asynchronous=asynchronous)
     check_algorithm(checksum)
@@ -535,7 +562,6 @@ def save(
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     backend = backend_of(accel)
-    path = Path(path).absolute()
     rank = backend.rank
     objects = classify_state(state)
     if step is None:
@@ -547,35 +573,31 @@ def save(
     # what the manifest records of the Accelerator, as of now (the commit may run later)
     counters = SimpleNamespace(applied_steps=getattr(accel, "applied_steps", None))
 
-    distributed.refuse_different(
-        str(path), "checkpoint paths to save()", _SAME_PATH, CheckpointError
-    )
-    what = f"saving {path}"
+    distributed.refuse_different(where, "checkpoint paths to save()", _SAME_PATH, CheckpointError)
     group = commit.commit_group()  # every collective of the save runs on it, bounded
-    token, error = None, None
+    save_id, error = secrets.token_hex(6), None
     with profile.phase("prepare"):
         if rank == 0:
             try:
                 with commit.working("prepared"):  # a long sweep is not a dead rank 0
-                    token = storage.prepare(path)
+                    store.prepare(where, save_id)
             except Exception as err:
                 error = err
         commit.report("prepared", error, what, group)
-        token = distributed.all_gather_object(token, group)[0]
-        sees = distributed.all_gather_object(rank == 0 or storage.sees_marker(path, token), group)
-    if not all(sees):
-        blind = [r for r, ok in enumerate(sees) if not ok]
-        raise CheckpointError(
-            f"saving {path}: rank(s) {blind} cannot see {storage.temp_dir(path)}, which rank 0 "
-            "created. Every rank must write to the same directory on a filesystem they all "
-            "share (NFS, Lustre, a single machine's disk)."
+        save_id = distributed.all_gather_object(save_id, group)[0]  # rank 0's names the save
+        blind = distributed.all_gather_object(
+            None if rank == 0 else store.check_prepared(where, save_id), group
         )
+    if any(blind):
+        ranks = [r for r, tail in enumerate(blind) if tail]
+        raise CheckpointError(f"{what}: rank(s) {ranks} {next(t for t in blind if t)}")
 
     planned, error = None, None
     try:
         with commit.working("planned"):  # pinning a large first snapshot takes its time
             with profile.phase("plan"):
                 record, to_write = _plan_rank(backend, state, objects, rng, exclude_frozen)
+                record["file"] = {"name": store.rank_file_name(rank, save_id)}
             if asynchronous:
                 with profile.phase("stage"):
                     to_write = background.snapshot(to_write)
@@ -584,26 +606,51 @@ def save(
         error = err
     commit.report("planned", error, what, group)
     assert planned is not None
-    job = (backend, counters, path, *planned, list(state), step)
+    job = (backend, counters, store, where, save_id, *planned, list(state), step)
     options = {"checksum": checksum, "exclude_frozen": exclude_frozen, "profile": profile}
     options.update(latest=latest, keep_last=keep_last, started=started)
+    result: Path | str = where if store.scheme else Path(where)
     if asynchronous:
-        background.start(path, lambda: _write_and_commit(*job, group=group, **options))
+        background.start(result, lambda: _write_and_commit(*job, group=group, **options))
         if rank == 0:
             log.info(
                 "saving %s in the background (training stalled %.2f s for the snapshot)",
-                path,
+                where,
                 time.perf_counter() - started,
             )
-        return path
+        return result
     _write_and_commit(*job, group=group, **options)
-    return path
+    return result
+
+
+def _write_rank_file(
+    store: Any,
+    where: str,
+    save_id: str,
+    record: dict[str, Any],
+    to_write: list[tuple[str, Any]],
+    checksum: str,
+    profile: profiling.SaveProfile,
+) -> dict[str, Any]:
+    """This rank's file, where its store has it written: streamed into a sink, or a local file
+    (the store publishes it when the context exits)."""
+    name, label = record["file"]["name"], where.rstrip("/").rsplit("/", 1)[-1]
+    with store.open_rank_file(
+        where, save_id, name, asynchronous=profile.asynchronous, profile=profile
+    ) as target:
+        if target.sink is not None:
+            return _stream_planned(target.sink, label, record, to_write, checksum, profile)
+        record = _write_planned(target.path, record, to_write, checksum, profile, label)
+        to_write.clear()  # a snapshot's copies are released as soon as they are written
+        return record
 
 
 def _write_and_commit(
     backend: Any,
     counters: Any,
-    path: Path,
+    store: Any,
+    where: str,
+    save_id: str,
     record: dict[str, Any],
     to_write: list[tuple[str, Any]],
     state_keys: list[str],
@@ -626,14 +673,17 @@ def _write_and_commit(
     error = None
     with profile.phase("write"):
         try:
-            with commit.working("written"):
-                record = _write_planned(path, record, to_write, checksum, profile)
+            with commit.working("written"):  # a long upload is not a dead rank
+                record = _write_rank_file(
+                    store, where, save_id, record, to_write, checksum, profile
+                )
         except Exception as err:
             error = err
-    profile.phases["write"] -= profile.phases.get("fsync", 0.0)  # fsync is its own phase
+    for nested in ("fsync", "upload"):  # timed inside the write: each is its own phase
+        profile.phases["write"] -= profile.phases.get(nested, 0.0)
     to_write.clear()  # a snapshot's device copies are released as soon as they are written
     with profile.phase("gather"):
-        commit.report("written", error, f"saving {path}", group)
+        commit.report("written", error, f"saving {where}", group)
         records = _gather_to_rank0(record, group)
 
     error = None
@@ -644,14 +694,22 @@ def _write_and_commit(
                     manifest, extras = _build_manifest(backend, counters, records, state_keys, step)
                     if exclude_frozen:
                         manifest.data["excluded_frozen"] = True
-                    finalize(path, manifest, extras, latest=latest, keep_last=keep_last)
+                    finalize(
+                        where,
+                        manifest,
+                        extras,
+                        latest=latest,
+                        keep_last=keep_last,
+                        store=store,
+                        save_id=save_id,
+                    )
             except Exception as err:
                 error = err
-        commit.report("committed", error, f"saving {path}", group)
+        commit.report("committed", error, f"saving {where}", group)
     profiling.record(profile)
     if profile.asynchronous:  # pin the next save's staging now, off the training thread
         background.grow_staging()
     if rank == 0:
         size = sum(r["file"]["bytes"] for r in records)
         elapsed = time.perf_counter() - started
-        log.info("saved %s: %.3f GB in %.2f s", path, size / 1e9, elapsed)
+        log.info("saved %s: %.3f GB in %.2f s", where, size / 1e9, elapsed)

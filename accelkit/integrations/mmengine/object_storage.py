@@ -6,7 +6,7 @@ save. :func:`register` (run when ``accelkit.integrations.mmengine`` is imported)
 :class:`AccelkitS3Backend` as ``backend='accelkit_s3'`` with both of MMEngine's registries, and
 for the ``s3`` prefix too where ``petrel_client`` is not installed. It serves what the checkpoint
 hook asks of a file backend (join, exists, remove a checkpoint, read and write small files); the
-checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.store.s3`).
+checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.store.bucket`).
 
 ``backend_args`` (the hook's and the runner's) become the store's ``storage_options``: the
 endpoint and credentials, else the AWS_* variables and profiles::
@@ -29,8 +29,8 @@ from mmengine.fileio import FileClient, register_backend
 from mmengine.fileio.backends import BaseStorageBackend
 
 from accelkit.checkpoint.format.manifest import MANIFEST_NAME
-from accelkit.checkpoint.store import s3 as remote
-from accelkit.checkpoint.store import s3_client as objectstore
+from accelkit.checkpoint.store import scheme_of, store_for
+from accelkit.checkpoint.store.bucket import ObjectLocation
 from accelkit.errors import ConfigError
 
 BACKEND_NAME = "accelkit_s3"
@@ -78,18 +78,17 @@ class AccelkitS3Backend(BaseStorageBackend):
     def __init__(self, **options: Any) -> None:
         self.options = options or None
 
-    def _where(self, filepath: Any) -> objectstore.S3Location:
-        where = objectstore.location(str(filepath))
-        if where is None:
+    def _where(self, filepath: Any) -> ObjectLocation:
+        if scheme_of(str(filepath)) != "s3":
             raise ValueError(f"{filepath}: the {BACKEND_NAME} backend serves s3:// paths only")
-        return where
+        return store_for(str(filepath), self.options).where(str(filepath))
 
-    def _store(self, where: objectstore.S3Location) -> objectstore.ObjectStore:
-        return objectstore.store_for(where, self.options)
+    def _store(self, where: ObjectLocation) -> Any:
+        return store_for(str(where), self.options).bucket(where)
 
     def get(self, filepath: Any) -> bytes:
         where = self._where(filepath)
-        return self._store(where).get(where.key)
+        return self._store(where).get(where.key)[0]
 
     def get_text(self, filepath: Any, encoding: str = "utf-8") -> str:
         return self.get(filepath).decode(encoding)
@@ -108,7 +107,7 @@ class AccelkitS3Backend(BaseStorageBackend):
     def isdir(self, filepath: Any) -> bool:
         where = self._where(filepath)
         prefix = f"{where.key}/" if where.key else ""
-        return next(self._store(where).list(prefix), None) is not None
+        return next(iter(self._store(where).list(prefix)), None) is not None
 
     def exists(self, filepath: Any) -> bool:
         return self.isfile(filepath) or self.isdir(filepath)
@@ -127,7 +126,7 @@ class AccelkitS3Backend(BaseStorageBackend):
         where = self._where(dir_path)
         store = self._store(where)
         store.delete([where.child(MANIFEST_NAME).key])
-        store.delete([key for key, _ in store.list(where.key + "/")])
+        store.delete([o.key for o in store.list(where.key + "/")])
 
     @contextmanager
     def get_local_path(self, filepath: Any) -> Iterator[str]:
@@ -148,8 +147,8 @@ class AccelkitS3Backend(BaseStorageBackend):
         where = self._where(dir_path)
         prefix = f"{where.key}/" if where.key else ""
         seen: set[str] = set()
-        for key, _ in self._store(where).list(prefix):
-            relative = key[len(prefix) :]
+        for found in self._store(where).list(prefix):
+            relative = found.key[len(prefix) :]
             parts = relative.split("/")
             if len(parts) > 1 and list_dir and parts[0] not in seen and not recursive:
                 seen.add(parts[0])
@@ -170,5 +169,4 @@ def register() -> None:
 
 def holds_checkpoint(path: str) -> bool:
     """Whether the ``s3://`` ``path`` is an accelkit checkpoint (or holds a ``latest``)."""
-    where = objectstore.location(path)
-    return where is not None and remote.holds_checkpoint(where)
+    return scheme_of(path) == "s3" and store_for(path).is_checkpoint(path)

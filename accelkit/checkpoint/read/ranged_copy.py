@@ -1,11 +1,15 @@
-"""Loading a checkpoint from object storage: the disk reader over a partial local copy.
+"""Loading a checkpoint from a store that is not a local directory: the disk reader over a
+partial local copy of the rank files, fetched through the store's ranged reads
+(:meth:`~accelkit.checkpoint.store.base.Store.open_ranged`, each pinned to the version seen when
+the load began).
 
-Each rank downloads the rank files' headers and its share of the checksums (parallel ranged GETs,
+Each rank fetches the rank files' headers and its share of the checksums (parallel ranged reads,
 each group of fragments hashed as soon as it has landed), and any other range its fill reads
-when it reads it; with one rank, that is every byte, fetched up front. Every checksum is still
-checked, by some rank, before any live tensor is written. The copy lives in memory
+when it reads it; with one rank, that is every byte, fetched up front. Every fragment a rank
+fetches after the ranks agreed (a range of another rank's share) is hashed in the copy before
+the fill reads it: no byte reaches a live tensor unverified. The copy lives in memory
 (:data:`MEMORY_STAGING`) when it fits, and is removed when the load ends, or by the next load
-if this one was killed.
+if this one was killed; closing it never raises over the load's own error.
 """
 
 from __future__ import annotations
@@ -24,9 +28,6 @@ from typing import Any
 
 from accelkit.checkpoint import profile as profiling
 from accelkit.checkpoint.format.manifest import MANIFEST_NAME
-from accelkit.checkpoint.store import s3_client as objectstore
-from accelkit.checkpoint.store.s3 import _listed_files, _pool, _renamed, resolve
-from accelkit.checkpoint.store.s3_client import S3Location
 from accelkit.checkpoint.store.scratch import LOAD_PREFIX, STAGING_ENV, staging
 from accelkit.errors import CheckpointError
 
@@ -88,10 +89,14 @@ class _PartialCopy:
     """A local sparse copy of one object and the record of the byte ranges it holds; what is
     not there yet is fetched by ranged GETs (parallel parts) before it is read."""
 
-    def __init__(
-        self, store: objectstore.ObjectStore, where: S3Location, path: Path, size: int, pool: Any
-    ) -> None:
-        self.store, self.where, self.path, self.size, self.pool = store, where, path, size, pool
+    def __init__(self, source: Any, where: str, path: Path, pool: Any) -> None:
+        self.source, self.where, self.path, self.pool = source, where, path, pool
+        self.size = size = source.size
+        self.step = getattr(getattr(source, "bucket", None), "part_bytes", 8 << 20)
+        #: fragments checked in this copy: ``(offset, nbytes)`` of each, sorted
+        self.spans: list[tuple[int, int, Any, int]] = []
+        self.checked: set[int] = set()  # offsets of the spans hashed here, or by the share
+        self.check: Any = None  # (entry, index, view) -> None, raising on a mismatch
         self.fetched = 0  # bytes downloaded
         self._present: list[tuple[int, int]] = []  # sorted, disjoint, merged [start, end)
         self._lock = threading.Lock()
@@ -109,10 +114,17 @@ class _PartialCopy:
             raise self._no_room(err) from err
 
     def close(self) -> None:
-        self.view.release()
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
+        """Release the mapping and the descriptor; never raises (a view still exported, kept
+        by an error's traceback, leaves the mapping to the garbage collector, not the fd)."""
+        try:
+            self.view.release()
+            if self._mapped is not None:
+                self._mapped.close()
+        except BufferError as err:
+            log.debug(
+                "%s: the copy's mapping is still in use (%s); left to be collected", self.path, err
+            )
+        self._mapped = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -137,7 +149,7 @@ class _PartialCopy:
     def parts(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """``ranges`` cut into requests at the multiples of the part size: the parts the object
         was uploaded in (a store keeps each as a piece; a request across two reads both)."""
-        step, out = objectstore.part_bytes(self.size), []
+        step, out = self.step, []
         for start, end in ranges:
             while start < end:
                 stop = min(end, (start // step + 1) * step)
@@ -151,7 +163,8 @@ class _PartialCopy:
             os.posix_fallocate(self.fd, start, end - start)
         except OSError as err:
             raise self._no_room(err) from err
-        self.store.read_into(self.where.key, self.view[start:end], start)
+        with self.view[start:end] as part:
+            self.source.read_into(part, start)
         with self._lock:
             present = self._present
             i = bisect.bisect_left(present, start, key=lambda r: r[1])
@@ -169,10 +182,38 @@ class _PartialCopy:
         )
 
     def ensure(self, offset: int, nbytes: int) -> None:
-        """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns."""
-        parts = self.parts(self.missing(offset, min(self.size, offset + nbytes)))
+        """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns, and every
+        fragment they touch was hashed (here, now, unless this rank's share checked it):
+        the whole of each is fetched."""
+        end = min(self.size, offset + nbytes)
+        touched = self._touched(offset, end)
+        if touched:
+            offset = min(offset, touched[0][0])
+            end = max(end, touched[-1][0] + touched[-1][1])
+        parts = self.parts(self.missing(offset, end))
         if parts:  # on the pool's threads, whose part buffers go when the load ends
             _wait([self.pool.submit(self.get, *p) for p in parts])
+        for start, length, entry, index in touched:
+            if start in self.checked:
+                continue
+            with self.view[start : start + length] as view:
+                self.check(entry, index, view)
+            with self._lock:
+                self.checked.add(start)
+
+    def _touched(self, start: int, end: int) -> list[tuple[int, int, Any, int]]:
+        """The fragments that overlap ``[start, end)`` and were not checked yet."""
+        if self.check is None:
+            return []
+        spans = self.spans
+        i = max(0, bisect.bisect_right(spans, start, key=lambda s: s[0]) - 1)
+        out = []
+        for span in spans[i:]:
+            if span[0] >= end:
+                break
+            if span[0] + span[1] > start and span[0] not in self.checked:
+                out.append(span)
+        return out
 
     def fetch_header(self, *, on_pool: bool = True) -> None:
         """The safetensors header: the first :data:`HEADER_BYTES`, and the rest of a longer
@@ -243,7 +284,8 @@ class _Prechecks:
         for _, offset, nbytes, entry, i in group:
             frag = entry.fragments[i]
             digest = hasher(frag.algorithm)
-            digest.update(view[offset : offset + nbytes])
+            with view[offset : offset + nbytes] as part:
+                digest.update(part)
             got = digest.hexdigest()
             if got != frag.digest and failed is None:
                 failed = self.reader._checksum_error(entry, frag, got)
@@ -277,10 +319,34 @@ def _share_ranges(spans: list[Any]) -> dict[str, list[tuple[int, int]]]:
     return ranges
 
 
+def _checker(reader: Any) -> Any:
+    """``check(entry, index, view)``: hash fragment ``index`` of ``entry`` in ``view``."""
+    from accelkit.checkpoint.format.digest import hasher
+
+    def check(entry: Any, index: int, view: memoryview) -> None:
+        frag = entry.fragments[index]
+        digest = hasher(frag.algorithm)
+        digest.update(view)
+        got = digest.hexdigest()
+        if got != frag.digest:
+            raise reader._checksum_error(entry, frag, got)
+
+    return check
+
+
+def _close_quietly(what: str, close: Any) -> None:
+    """Cleanup never replaces the load's own error, nor fails a load that succeeded."""
+    try:
+        close()
+    except Exception as err:
+        log.debug("closing %s: %s", what, err)
+
+
 @contextmanager
 def opened(
-    where: S3Location,
-    storage_options: dict[str, Any] | None = None,
+    store: Any,
+    target: str,
+    manifest: bytes,
     *,
     rank: int = 0,
     world: int = 1,
@@ -288,39 +354,44 @@ def opened(
     verify: bool = True,
     profile: Any = None,
 ) -> Iterator[Any]:
-    """A :class:`~accelkit.checkpoint.read.reader.CheckpointReader` of the checkpoint ``where``
-    names (after ``latest``), for rank ``rank`` of ``world``, over a partial local copy. Before
-    it yields: the manifest, ``extra.json`` and each rank file's header, then this rank's
-    verify share (:func:`~accelkit.checkpoint.read.verify.share_spans`; everything with one rank),
-    each group of fragments hashed as soon as it has landed. Any other range is fetched when
-    the load reads it. Errors name the S3 objects, never the temporary files, which are gone
-    when it exits."""
+    """A :class:`~accelkit.checkpoint.read.reader.CheckpointReader` of the committed checkpoint
+    ``target`` of ``store`` (resolved already; ``manifest``: its bytes, read once), for rank
+    ``rank`` of ``world``, over a partial local copy. Before it yields: ``extra.json`` and each
+    rank file's header, then this rank's verify share
+    (:func:`~accelkit.checkpoint.read.verify.share_spans`; everything with one rank), each group
+    of fragments hashed as soon as it has landed. Any other range is fetched, and its fragments
+    hashed, when the load reads it. Errors name the store's locations, never the temporary
+    files, which are gone when it exits."""
+    from accelkit.checkpoint.format.manifest import Manifest
     from accelkit.checkpoint.read.reader import CheckpointReader
     from accelkit.checkpoint.read.verify import share_spans
 
     profile = profile or profiling.SaveProfile()
     cleanup = ExitStack()
     with profile.phase("download"):
-        target = resolve(where, storage_options)
-        store = objectstore.store_for(target, storage_options)
-        raw = store.get(target.child(MANIFEST_NAME).key)
-        files = _listed_files(target, store, raw)
-        folder = cleanup.enter_context(staging(PARTIAL_PREFIX, _load_root(sum(files.values()))))
-        local = folder / target.name
+        lister = getattr(store, "listed_files", None)
+        if lister is not None:
+            files = lister(target, manifest)
+        else:
+            names = Manifest.parse(manifest, store.display(target)).files
+            files = {name: store.open_ranged(target, name) for name in names}
+        total = sum(f.size for f in files.values())
+        folder = cleanup.enter_context(staging(PARTIAL_PREFIX, _load_root(total)))
+        local = folder / (target.rstrip("/").rsplit("/", 1)[-1] or "checkpoint")
     copies: dict[str, _PartialCopy] = {}
-    pool = _pool()
+    pool = ThreadPoolExecutor(max_workers=8)
     reader = prechecks = None
     try:
         try:
             with profile.phase("download"):
                 local.mkdir()
-                (local / MANIFEST_NAME).write_bytes(raw)
-                for name, size in files.items():
-                    if name.endswith(".safetensors"):
-                        path = local / name
-                        copies[name] = _PartialCopy(store, target.child(name), path, size, pool)
-                    else:  # extra.json: small, read whole
-                        store.download(target.child(name).key, local / name, size, pool)
+                (local / MANIFEST_NAME).write_bytes(manifest)
+                for name, source in files.items():
+                    copies[name] = _PartialCopy(
+                        source, store.child(target, name), local / name, pool
+                    )
+                    if not name.endswith(".safetensors"):  # extra.json: small, read whole
+                        copies[name].ensure(0, source.size)
                 prechecks = _Prechecks(copies)
 
                 def part(name: str, start: int, end: int) -> None:
@@ -337,43 +408,79 @@ def opened(
                         ]
                     return futures
 
+                rank_files = {n: c for n, c in copies.items() if n.endswith(".safetensors")}
                 if world == 1:  # every byte, requested at once; the headers come first
-                    futures = fetch({name: [(0, c.size)] for name, c in copies.items()})
+                    futures = fetch({name: [(0, c.size)] for name, c in rank_files.items()})
                     _wait([parts[0] for parts in futures.values() if parts])
-                    for copy in copies.values():
+                    for copy in rank_files.values():
                         copy.fetch_header(on_pool=False)  # a header longer than that part
                 else:
-                    _wait([pool.submit(copy.fetch_header) for copy in copies.values()])
+                    _wait([pool.submit(copy.fetch_header) for copy in rank_files.values()])
 
                 def ensure(name: str, offset: int, nbytes: int) -> None:
                     copy = copies.get(name)
                     if copy is not None:
                         copy.ensure(offset, nbytes)
 
-                reader = CheckpointReader(local, strict=strict, verify=verify, ensure=ensure)
+                reader = CheckpointReader(
+                    local,
+                    strict=strict,
+                    verify=verify,
+                    ensure=ensure,
+                    manifest=Manifest.parse(manifest, str(local / MANIFEST_NAME), local),
+                )
                 spans = share_spans(reader, rank, world) if verify else []
                 prechecks.share(reader, spans)
                 if world > 1:
                     futures = fetch(_share_ranges(spans))
                 _wait([future for parts in futures.values() for future in parts])
                 reader.prechecked = prechecks.result
+                if verify:  # what the fill reads beyond this rank's share is hashed first
+                    check = _checker(reader)
+                    mine = {(s[0], s[1]) for s in spans}
+                    for entry in reader.manifest.tensors:
+                        for i in range(len(entry.fragments)):
+                            name, offset, nbytes = reader.fragment_span(entry, i)
+                            copy = copies.get(name)
+                            if copy is None:
+                                continue
+                            copy.spans.append((offset, nbytes, entry, i))
+                            if (name, offset) in mine:
+                                copy.checked.add(offset)
+                    for copy in copies.values():
+                        copy.spans.sort(key=lambda s: s[0])
+                        copy.check = check
             yield reader
         except CheckpointError as err:
-            raise _renamed(err, local, target) from err
+            raise _renamed(err, local, store.display(target)) from err
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        _close_quietly("the download pool", lambda: pool.shutdown(wait=True, cancel_futures=True))
         if prechecks is not None:
-            prechecks.close()
+            _close_quietly("the checks", prechecks.close)
         if reader is not None:
-            reader.close()
+            _close_quietly("the reader", reader.close)
         if copies:
             log.debug(
                 "rank %d fetched %d of the %d bytes of %s's rank files",
                 rank,
                 sum(c.fetched for c in copies.values()),
                 sum(c.size for c in copies.values()),
-                target,
+                store.display(target),
             )
         for copy in copies.values():
-            copy.close()
-        cleanup.close()
+            _close_quietly(str(copy.path), copy.close)
+        _close_quietly("the staging folder", cleanup.close)
+
+
+def _renamed(err: CheckpointError, local: Path, target: str) -> CheckpointError:
+    """``err`` with the temporary copies' paths (this rank's, and the others' an agreed error
+    quotes) replaced by the store's location."""
+    import re
+
+    name = re.escape(local.name)
+    pattern = rf"/\S*?/{LOAD_PREFIX}[^/\s]+/{name}"
+    message = re.sub(pattern, lambda _: target, str(err))
+    renamed = type(err)(message)
+    for attr, value in vars(err).items():
+        setattr(renamed, attr, value)
+    return renamed
