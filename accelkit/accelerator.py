@@ -700,12 +700,12 @@ class Accelerator:
             raise ConfigError(f"format must be 'portable' or 'native', got {format!r}")
         from accelkit.checkpoint import load_resolved
 
-        built_with = learning_rates(state)
+        built_with, built_bases = learning_rates(state), learning_rates(state, "initial_lr")
         started = time.perf_counter()
         unconsumed, manifest = load_resolved(self, path, state, strict=strict, **kwargs)
         log.info("loaded %s in %.2f s", path, time.perf_counter() - started)
         self._restore_applied_steps(manifest.data.get("applied_steps"))
-        say_which_learning_rate_won(built_with, learning_rates(state), path)
+        say_which_learning_rate_won(built_with, learning_rates(state), path, state, built_bases)
         return unconsumed
 
     def _restore_applied_steps(self, saved: Any) -> None:

@@ -90,6 +90,8 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
     the others fail within it instead of hanging.
     """
     if is_initialized():
+        if _ATTEMPT[0] is None:  # a group someone else made: accelkit's keys still need an id
+            begin_attempt(device)
         return
     slurm = _slurm_env()
     if slurm:
@@ -107,6 +109,7 @@ def init_process_group(device: torch.device, timeout_s: float | None = None) -> 
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     atexit.register(_leave_group_at_exit)
+    begin_attempt(device)
     if dist.get_world_size() > 1:
         report_failures_once()
     log.debug(
@@ -135,6 +138,26 @@ def _leave_group_at_exit() -> None:
     # drain even when the program left the group itself (the demo does, and so do many training
     # scripts): the worker threads outlive destroy_process_group by the same moment
     time.sleep(_GLOO_DRAIN_S)
+    _ATTEMPT[0] = None
+    status = _EXIT_STATUS[0]
+    if status is not None:  # the last word at exit: the handlers registered later have run
+        logging.shutdown()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(status)
+
+
+#: the status this process ends with, whatever the script returns (None: the script's own)
+_EXIT_STATUS: list[int | None] = [None]
+
+
+def exit_status_at_exit(status: int) -> None:
+    """End this process with ``status`` once the script has finished and the group is left
+    (after the atexit handlers registered since joining it: trackers, an asynchronous save)."""
+    _EXIT_STATUS[0] = status
+    if not is_initialized():  # no group, so no exit handler of ours was registered yet
+        atexit.register(_leave_group_at_exit)
 
 
 # ---- hangs: name the cause instead of waiting forever ----------------------------------------------
@@ -144,7 +167,7 @@ _UNSYNCED: list[str] = []
 #: calls of each name through :func:`rendezvous` on this rank (ranks count alike)
 _ARRIVALS: dict[str, int] = {}
 #: where a rank that gave up leaves its reason for the others (read when their collective fails)
-ABORT_KEY = "accelkit/abort"
+ABORT_KEY = "abort"
 
 _CAUSES = (
     "not every rank called it (a collective under `if accel.is_main:` or a rank-dependent "
@@ -156,17 +179,54 @@ def _multi() -> bool:
     return is_initialized() and dist.get_world_size() > 1
 
 
-def _store() -> Any:
-    """The default group's key-value store (a TCPStore under torchrun, srun and accelkit)."""
+# ---- accelkit's keys in the group's store: one namespace per attempt ---------------------------
+#: this attempt's id, which rank 0 drew and broadcast when accelkit joined the group (None: not
+#: joined through accelkit). The store can outlive the processes: under torchrun's default the
+#: rendezvous agent hosts it across worker restarts (pytorch #135712), and accelkit's counters
+#: and markers restart at 1 in each attempt; without the id they would meet the last attempt's.
+_ATTEMPT: list[str | None] = [None]
+
+
+def begin_attempt(device: torch.device | None = None) -> str:
+    """Draw a new attempt id on rank 0 and give it to every rank (one small broadcast; collective).
+
+    Every key accelkit keeps in the store lives under ``accelkit/<id>/`` (:func:`_store`), so a
+    restarted group never reads a marker, counter or abort reason of an earlier attempt."""
+    import secrets
+
+    ident = secrets.randbits(62)
+    if is_initialized() and dist.get_world_size() > 1:
+        on = device if device is not None and device.type == "cuda" else torch.device("cpu")
+        if dist.get_backend() == "nccl" and on.type != "cuda":
+            on = torch.device("cuda", torch.cuda.current_device())
+        box = torch.tensor([ident], dtype=torch.int64, device=on)
+        dist.broadcast(box, 0)
+        ident = int(box.item())
+    _ATTEMPT[0] = f"{ident:016x}"
+    return _ATTEMPT[0]
+
+
+def attempt_prefix() -> str:
+    """Where accelkit's keys live in the group's store: ``accelkit/<attempt id>/``."""
+    return f"accelkit/{_ATTEMPT[0] or 'no-attempt'}/"
+
+
+def _raw_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
 
 
+def _store() -> Any:
+    """The default group's key-value store (a TCPStore under torchrun, srun and accelkit), seen
+    through this attempt's namespace (:func:`begin_attempt`): every accelkit key goes here."""
+    return dist.PrefixStore(attempt_prefix(), _raw_store())
+
+
 def group_timeout_s() -> float:
     """The default group's timeout (its store was built with it)."""
     try:
-        return _store().timeout.total_seconds()
+        return _raw_store().timeout.total_seconds()
     except Exception:  # a group without a store: torch's default
         return DEFAULT_TIMEOUT_S
 
@@ -231,7 +291,7 @@ def rendezvous(what: str, hint: str = "", timeout_s: float | None = None) -> Non
 
     store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
     count = _ARRIVALS[what] = _ARRIVALS.get(what, 0) + 1
-    keys = [f"accelkit/arrive/{what}/{count}/{r}" for r in range(world)]
+    keys = [f"arrive/{what}/{count}/{r}" for r in range(world)]
     store.set(keys[rank], "1")
     timeout = group_timeout_s() if timeout_s is None else timeout_s
     limit = (
@@ -254,7 +314,7 @@ def rendezvous(what: str, hint: str = "", timeout_s: float | None = None) -> Non
     if rank == 0 and count > 1:  # every rank is past the previous call: its keys can go
         for r in range(world):
             with contextlib.suppress(Exception):
-                store.delete_key(f"accelkit/arrive/{what}/{count - 1}/{r}")
+                store.delete_key(f"arrive/{what}/{count - 1}/{r}")
 
 
 def _collective(name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -349,9 +409,9 @@ def raise_agreed(err: BaseException) -> None:
 
 # ---- one traceback per failed job ------------------------------------------------------------
 #: how many ranks have raised out of the script so far (a counter in the group's store)
-_FAILED_KEY = "accelkit/failed"
+_FAILED_KEY = "failed"
 #: "rank\nsummary" of the rank that reports the failure, set once it has printed
-_REPORTED_KEY = "accelkit/reported"
+_REPORTED_KEY = "reported"
 #: how long a rank that leaves the report to another waits for it before printing its own
 REPORT_WAIT_S = 10.0
 

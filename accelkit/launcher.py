@@ -240,7 +240,7 @@ def main_process_first(
     lrank = distributed.local_rank() if local else rank
     leader = rank - lrank  # global rank of this node's local main (ranks are contiguous per node)
     _FIRST_CALLS[0] += 1
-    key = f"accelkit/main_first/{_FIRST_CALLS[0]}/{leader if local else 0}"
+    key = f"main_first/{_FIRST_CALLS[0]}/{leader if local else 0}"
     what = "local_main_process_first()" if local else "main_process_first()"
     first = lrank == 0
     if not first:

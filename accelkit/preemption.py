@@ -240,17 +240,28 @@ class StopSignal:
 
     # ---- agreement ----------------------------------------------------------------------------
     def check(self, device: torch.device | str = "cpu") -> bool:
-        """True on every rank once any rank was signalled (an all-reduce with several ranks)."""
+        """True on every rank once any rank was signalled (an all-reduce with several ranks).
+
+        Under an elastic agent with several nodes the same all-reduce also says which nodes were
+        signalled; when some were and this one was not, this node goes on without them
+        (:func:`continue_without`)."""
         if self._agreed:
             return True
         self._reads += 1
         if (self._reads - 1) % self.check_every:
             return False
-        flag = torch.tensor([1 if self.local else 0], dtype=torch.int32, device=device)
-        wanted = distributed.all_reduce(flag, "max")
-        if int(wanted.item()) > 0:
+        node, nodes = elastic_node() or (0, 0)
+        flags = torch.zeros(1 + nodes, dtype=torch.int32)
+        flags[0] = 1 if self.local else 0
+        if nodes and self.received is not None:  # a signal, not request_stop(): the node leaves
+            flags[1 + node] = 1
+        wanted = distributed.all_reduce(flags.to(device), "max").cpu()
+        if int(wanted[0]) > 0:
             self._agreed = True
             self._report()
+            leaving = [n for n in range(nodes) if int(wanted[1 + n]) > 0]
+            if leaving and node not in leaving and len(leaving) < nodes:
+                continue_without(leaving)
         return self._agreed
 
     def _report(self) -> None:
@@ -271,6 +282,45 @@ class StopSignal:
         self.received, self.requested = None, False
         self._agreed, self._reported = False, False
         self._disarm()
+
+
+# ---- partial preemption: a node leaves an elastic job, the others go on -----------------------
+#: the exit status of a process whose node goes on after other nodes were preempted: not 0, so
+#: that its elastic agent restarts the workers and meets the remaining nodes at a new rendezvous
+#: (75: EX_TEMPFAIL, "try again")
+CONTINUE_STATUS = 75
+
+
+def elastic_node() -> tuple[int, int] | None:
+    """(this node's index, number of nodes) under torchrun's elastic agent with several nodes
+    (``GROUP_RANK``, ``GROUP_WORLD_SIZE``); None otherwise."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        node, nodes = int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return (node, nodes) if nodes > 1 and 0 <= node < nodes else None
+
+
+def continue_without(leaving: list[int]) -> None:
+    """Other nodes were signalled and leave; this one was not. The loop saves and stops as
+    everywhere (the checkpoint has every rank's state), then this process exits with
+    :data:`CONTINUE_STATUS` instead of 0: a worker that ends 0 tells its agent the job is done,
+    and a survivor would report success with the work undone. The agent restarts its workers
+    (one of ``--max-restarts``), they meet at a rendezvous without the leaving nodes, and
+    ``auto_resume`` goes on from the checkpoint at the smaller world size. A static job
+    (``--nnodes N``) cannot shrink: its rendezvous waits for the lost node, then fails."""
+    rank = torch.distributed.get_rank() if distributed.is_initialized() else 0
+    log.warning(
+        "rank %d: node(s) %s were signalled and leave the job; this node goes on: after the "
+        "save, this process exits with status %d so that its elastic agent starts it again at "
+        "a rendezvous without them",
+        rank,
+        leaving,
+        CONTINUE_STATUS,
+    )
+    distributed.exit_status_at_exit(CONTINUE_STATUS)
 
 
 def _end_after_grace(grace: float) -> None:
@@ -346,9 +396,15 @@ def auto_resume(
     """Load the newest complete checkpoint under ``directory`` into ``state``; None if none.
 
     Rank 0 picks the checkpoint and every rank loads that one (ranks never disagree because one
-    of them saw a newer directory first). Plain values in ``state`` (a step counter) are replaced
-    by the saved ones; ``load_kwargs`` go to :meth:`Accelerator.load`.
+    of them saw a newer directory first). First, every rank checks that it sees ``directory`` as
+    rank 0 does (a marker file; object storage needs none), so a directory on each node's own
+    disk is refused before training starts, and the load checks that every rank read the same
+    manifest (:mod:`accelkit.checkpoint.read.same_source`). Plain values in ``state`` (a step
+    counter) are replaced by the saved ones; ``load_kwargs`` go to :meth:`Accelerator.load`.
     """
+    from accelkit.checkpoint.read import same_source
+
+    same_source.check_shared_directory(directory)  # node-private disks fail now, not at a save
     found = latest_checkpoint(directory) if accel.rank == 0 else None
     chosen = distributed.broadcast_object(None if found is None else str(found), 0)
     if chosen is None:

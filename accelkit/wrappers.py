@@ -331,24 +331,59 @@ def own_optimizer(optimizer: Any, returned: list[Any], given: list[Any]) -> Any:
     )
 
 
-def learning_rates(state: dict[str, Any]) -> dict[str, list[Any]]:
-    """Each optimizer's learning rate per param group, by its name in ``state``."""
+def learning_rates(state: dict[str, Any], key: str = "lr") -> dict[str, list[Any]]:
+    """Each optimizer's learning rate per param group, by its name in ``state`` (``key=
+    "initial_lr"``: the base rate its scheduler was built with)."""
     return {
-        name: [group.get("lr") for group in obj.param_groups]
+        name: [group.get(key) for group in obj.param_groups]
         for name, obj in state.items()
         if isinstance(obj, torch.optim.Optimizer)
     }
 
 
+def _explained_by_scheduler(
+    state: dict[str, Any], name: str, group: int, built_base: Any, loaded: Any
+) -> bool:
+    """Whether a scheduler loaded with the optimizer explains its rate: it was built on the same
+    base rate as the checkpoint's, and its last rate is the optimizer's (a resume mid-schedule)."""
+    optimizer = state[name]
+    for obj in state.values():
+        if not isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            continue
+        target = getattr(obj, "optimizer", None)
+        if target is not optimizer and getattr(optimizer, "optimizer", None) is not target:
+            continue
+        last = getattr(obj, "_last_lr", None) or []
+        base = getattr(obj, "base_lrs", None) or []
+        if group < len(last) and last[group] == loaded:
+            return built_base is None or group >= len(base) or base[group] == built_base
+    return False
+
+
 def say_which_learning_rate_won(
-    before: dict[str, list[Any]], after: dict[str, list[Any]], path: Any
+    before: dict[str, list[Any]],
+    after: dict[str, list[Any]],
+    path: Any,
+    state: dict[str, Any] | None = None,
+    built_bases: dict[str, list[Any]] | None = None,
 ) -> None:
     """A resume keeps the checkpoint's learning rate, as every torch optimizer's
     ``load_state_dict`` does; when it differs from the one the script built, say so and how to
-    choose the new one instead."""
+    choose the new one instead. Not when a scheduler in ``state`` explains the rate (built on the
+    same base rate, ``built_bases``, its schedule has moved on): every restart would warn."""
     for name, built in before.items():
         loaded = after.get(name, built)
-        changed = [(i, b, a) for i, (b, a) in enumerate(zip(built, loaded)) if b != a]
+        bases = (built_bases or {}).get(name, [])
+        changed = [
+            (i, b, a)
+            for i, (b, a) in enumerate(zip(built, loaded))
+            if b != a
+            and not (
+                state is not None
+                and name in state
+                and _explained_by_scheduler(state, name, i, bases[i] if i < len(bases) else None, a)
+            )
+        ]
         if not changed:
             continue
         i, was, now = changed[0]

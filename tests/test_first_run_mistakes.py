@@ -138,6 +138,35 @@ def test_a_resume_at_another_learning_rate_says_which_won(tmp_path, accelkit_log
     assert 'group["lr"] = 0.005' in message
 
 
+def _scheduled(lr: float):
+    accel, _, _, model, opt = _set_up(lr=lr)
+    sched = accel.setup_scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    return accel, model, opt, {"model": model, "optimizer": opt, "scheduler": sched}
+
+
+def test_a_resume_mid_schedule_is_explained_by_its_scheduler(tmp_path, accelkit_log):
+    accel, model, opt, state = _scheduled(1e-2)
+    _train(accel, model, steps=2)
+    assert opt.param_groups[0]["lr"] == 2.5e-3  # the schedule moved the rate
+    accel.save(tmp_path / "ck", state)
+
+    accel, _, opt, state = _scheduled(1e-2)  # every restart: the same script again
+    accel.load(tmp_path / "ck", state)
+    assert opt.param_groups[0]["lr"] == 2.5e-3
+    assert "learning rate" not in accelkit_log.text  # the loaded scheduler explains it
+
+    accel, _, opt, state = _scheduled(5e-3)  # the script now builds another base rate
+    accel.load(tmp_path / "ck", state)
+    assert "checkpoint's learning rate 0.0025" in accelkit_log.text
+    assert "not the 0.005" in accelkit_log.text
+
+    accel, _, opt, state = _scheduled(1e-2)  # the same base rate, but the scheduler left out
+    del state["scheduler"]
+    accelkit_log.clear()
+    accel.load(tmp_path / "ck", state)
+    assert "checkpoint's learning rate 0.0025" in accelkit_log.text
+
+
 def _save_and_load(tmp_path):
     accel, _, _, model, opt = _set_up()
     _train(accel, model)

@@ -265,13 +265,7 @@ def test_trap_zero_bubble_with_resharding_fsdp2_is_wrong_and_refused():
     wrong = _raw(**common, reshard_after_forward=True)
     assert _worst(wrong, ref) > 1e-3, _worst(wrong, ref)  # measured 2e-2 to 6e-2
     ours = _ours({"dp_shard": 2}, schedule="ZBVZeroBubble")
-    assert _worst(ours, ref) <= DP_FLOOR
-    import accelkit
-
-    with pytest.raises(accelkit.ConfigError, match="reshard_after_forward=True gives wrong"):
-        accelkit.get(
-            "fsdp", device="cpu", pp=2, pipeline={"schedule": "zbv"}, reshard_after_forward=True
-        )
+    assert _worst(ours, ref) <= DP_FLOOR  # accelkit's False; get() refuses True (test_pipeline_api)
 
 
 @pytest.mark.slow

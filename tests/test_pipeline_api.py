@@ -147,3 +147,21 @@ def test_plan_estimates_each_stage_and_the_bubble():
         assert row["relative_step_time"] > base[label]["relative_step_time"]
     with pytest.raises(ValueError, match="must be >= 1 and divide --gpus 3"):
         make_plan(PlanRequest("gpt2-small", gpus=3, pp=2))
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "match"),
+    [
+        ("fsdp", dict(pipeline={"schedule": "zbv"}, reshard_after_forward=True),
+         "reshard_after_forward=True gives wrong gradients"),
+        ("ddp", dict(precision="16-mixed"), "'16-mixed' is not supported with pp > 1"),
+        ("fsdp", dict(pipeline={"schedule": "Interleaved1F1B", "microbatches": 3}),
+         "not a multiple of it"),
+        ("ddp", dict(pipeline={"schedule": "DualPipeV", "microbatches": 2}),
+         "needs at least 4 micro-batches"),
+    ],
+)  # fmt: skip
+def test_what_a_pipeline_cannot_run_is_refused_at_get(backend, options, match):
+    """Before any process joins (one process here: the refusal comes first)."""
+    with pytest.raises(ConfigError, match=match):
+        accelkit.get(backend, device="cpu", pp=2, **options)

@@ -103,7 +103,6 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
         if pipeline is not None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.check_pipeline_settings()
             if getattr(self.options, "comm_hook", None) == "powersgd":
                 raise ConfigError(
                     f"{self.name}: comm_hook='powersgd' is not supported with pp > 1 (its "

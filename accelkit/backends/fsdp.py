@@ -512,6 +512,25 @@ class FSDPBackend(PipelineParallel, DistributedBackend):
         self.mesh: Any = None
         self.mesh_shape: Any = None
 
+    @classmethod
+    def resolve_settings(cls, name: str, options: Any, settings: Any) -> Any:
+        """Refuses at ``get()``, before any process joins, a zero-bubble schedule with FSDP2's
+        resharding after forward."""
+        pipeline = settings.pipeline
+        if (
+            pipeline is not None
+            and pipeline.schedule in ZERO_BUBBLE
+            and options.reshard_after_forward not in (None, False)
+        ):
+            raise ConfigError(
+                f"fsdp: the {pipeline.schedule} schedule with reshard_after_forward="
+                f"{options.reshard_after_forward!r} gives wrong gradients (measured 2e-2 to 6e-2 "
+                "off a one-process run with torch 2.13: the split backward's weight part "
+                "runs on resharded parameters); leave reshard_after_forward out (False "
+                "under pp) or pick GPipe / 1F1B / Interleaved1F1B"
+            )
+        return super().resolve_settings(name, options, settings)
+
     def make_precision(self) -> FSDPPrecision:
         from accelkit.float8 import float8_config
 
@@ -527,16 +546,6 @@ class FSDPBackend(PipelineParallel, DistributedBackend):
         self.mesh_shape = resolve_shape(
             self.world_size, o.dp_replicate, o.dp_shard, o.tp, pipeline.pp if pipeline else 1
         )
-        if pipeline is not None:
-            self.check_pipeline_settings()
-            if pipeline.schedule in ZERO_BUBBLE and o.reshard_after_forward not in (None, False):
-                raise ConfigError(
-                    f"fsdp: the {pipeline.schedule} schedule with reshard_after_forward="
-                    f"{o.reshard_after_forward!r} gives wrong gradients (measured 2e-2 to 6e-2 "
-                    "off a one-process run with torch 2.13: the split backward's weight part "
-                    "runs on resharded parameters); leave reshard_after_forward out (False "
-                    "under pp) or pick GPipe / 1F1B / Interleaved1F1B"
-                )
         if self.settings.precision == "fp8-mixed" and self.mesh_shape.tp > 1:
             raise ConfigError(
                 "fsdp: precision 'fp8-mixed' with tensor parallelism (tp > 1) is not supported: "

@@ -643,9 +643,12 @@ class PipelineParallel:
         inner = backend.world_size // backend.settings.pipeline.pp
         return backend.rank % inner, inner
 
-    def check_pipeline_settings(self) -> None:
-        """At launch: what a pipeline cannot run with."""
-        settings = self.settings  # type: ignore[attr-defined]
+    @classmethod
+    def resolve_settings(cls, name: str, options: Any, settings: Any) -> Any:
+        """At ``get()``, before any process joins: what a pipeline cannot run with."""
+        settings = super().resolve_settings(name, options, settings)  # type: ignore[misc]
+        if settings.pipeline is None:
+            return settings
         check_microbatches_fit(settings.pipeline)
         if settings.precision in ("16-mixed", "fp8-mixed"):
             raise ConfigError(
@@ -653,6 +656,7 @@ class PipelineParallel:
                 "(16-mixed: each stage's loss scaler would skip steps on its own; fp8-mixed: "
                 "not measured); use 'bf16-mixed' or '32-true'"
             )
+        return settings
 
     def setup_pipeline(
         self,

@@ -26,6 +26,7 @@ from accelkit.checkpoint import progress
 from accelkit.checkpoint.format import rng as rng_io
 from accelkit.checkpoint.format.fqn import canonical_fqn
 from accelkit.checkpoint.format.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, TensorEntry
+from accelkit.checkpoint.read import same_source
 from accelkit.checkpoint.read.reader import CheckpointReader
 from accelkit.checkpoint.read.verify import verify_share
 from accelkit.checkpoint.shards import dense
@@ -289,6 +290,7 @@ def _load_from(
     profile: profiling.SaveProfile | None = None,
 ) -> dict[str, Any]:
     """Validate everything (no live object is touched), agree across ranks, then commit."""
+    same_source.check_same_checkpoint(reader.manifest, reader.directory)
     profile = profile or profiling.SaveProfile()
     error: BaseException | None = None
     try:

@@ -1,7 +1,17 @@
 """``accelkit run``: launch a training script on several processes or machines.
 
 A thin front for ``torch.distributed.run`` (torchrun): the flags below are torchrun's and are
-passed through unchanged, so the elastic agent, rendezvous and restarts behave as torchrun's do.
+passed through unchanged. Two things differ, both so that elastic jobs work:
+
+- in a job that can restart (``--max-restarts`` above 0, or ``--nnodes MIN:MAX``), the workers
+  build a store of their own for each attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) instead
+  of sharing the rendezvous agent's, which outlives worker restarts: with torch's default, a
+  restarted group's gloo init reads the previous attempt's addresses (fails, or hangs for
+  minutes) and a rejoining node fails with ``DistStoreError`` (pytorch #135712, #167288). A job
+  that cannot restart keeps torch's default: one attempt meets no earlier one, and the agent's
+  store is already listening (a fresh one is bound later, on a port another process may take);
+- a signal to the launcher ends it with one line and status 128 + the signal (SIGTERM: 143,
+  SIGINT: 130), after torchrun has passed the signal on to its workers, instead of a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +19,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 
 log = logging.getLogger("accelkit")
 
@@ -25,7 +37,22 @@ WORLD_SIZE and LOCAL_RANK, so a script started by torchrun directly works unchan
 does one started by srun under SLURM (SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID are mapped
 onto them when no launcher set them). CPU processes use gloo, CUDA processes nccl.
 OMP_NUM_THREADS defaults to 1 per process when several run on a node (as torchrun does).
+
+elastic jobs, and any job that can restart (--nnodes MIN:MAX, --max-restarts N > 0): accelkit
+run sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so each attempt's workers get a fresh store of
+their own (rank 0 hosts it). torch's default shares the rendezvous agent's store with the
+workers; it outlives worker restarts, and with it a restarted group's gloo init reads the
+previous attempt's addresses and a rejoining node fails with DistStoreError after 60 s (pytorch
+#135712, #167288). Export the variable yourself (0 keeps torch's default), or pass
+--share-rdzv-store, to choose.
+The node at --rdzv-endpoint hosts the rendezvous: if it goes, the job goes; start it on the
+node least likely to be preempted. A signal to this command is passed on to the workers (they
+save and stop: accelkit.preemption) and ends it with status 128 + the signal (SIGTERM: 143).
+See docs/multi-node.md.
 """
+
+#: torch's switch between the rendezvous agent's store and one per attempt (pytorch #135712)
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 #: torchrun flags accelkit passes through: (flag, underscore alias or None, takes a value, help)
 TORCHRUN_FLAGS: list[tuple[str, str | None, bool, str]] = [
@@ -68,6 +95,13 @@ def add_parser(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(*names, dest=_dest(flag), help=help_text)
         else:
             parser.add_argument(*names, dest=_dest(flag), action="store_true", help=help_text)
+    parser.add_argument(
+        "--share-rdzv-store",
+        dest="share_rdzv_store",
+        action="store_true",
+        help="let the workers share the rendezvous agent's store, torch's default (breaks "
+        "elastic restarts: pytorch #135712); accelkit gives each attempt its own",
+    )
     parser.add_argument("script", help="the training script (or module with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
 
@@ -97,6 +131,7 @@ def launch(argv: list[str]) -> int:
     script flag ``--nproc`` is "ambiguous"); parsing with ``allow_abbrev=False`` avoids that.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
     parser = torchrun.get_args_parser()
@@ -106,7 +141,41 @@ def launch(argv: list[str]) -> int:
     except ChildFailedError as err:
         codes = [f.exitcode for f in err.failures.values() if f.exitcode and f.exitcode > 0]
         return codes[0] if codes else 1
+    except SignalException as err:  # the agent has stopped its workers already
+        return _ended_by(signal.Signals(err.sigval))
+    except KeyboardInterrupt:  # SIGINT before the agent installed its handlers
+        return _ended_by(signal.SIGINT)
     return 0
+
+
+def _ended_by(sig: signal.Signals) -> int:
+    """One line instead of the agent's traceback; the shell's status for a signal's death."""
+    status = 128 + int(sig)
+    sys.stderr.write(f"accelkit run: stopped by {sig.name}; exit status {status}\n")
+    sys.stderr.flush()
+    return status
+
+
+def can_restart(args: argparse.Namespace) -> bool:
+    """Whether the job may run a second attempt: restarts, or an elastic node count."""
+    restarts = str(getattr(args, "max_restarts", None) or "0").strip()
+    low, _, high = str(getattr(args, "nnodes", None) or "").partition(":")
+    return (restarts.isdigit() and int(restarts) > 0) or (bool(high) and high != low)
+
+
+def choose_store_sharing(
+    share: bool, restarts: bool, environ: dict[str, str] | None = None
+) -> None:
+    """Give each attempt's workers a store of their own in a job that can restart, unless the
+    user chose (the variable is set, or ``--share-rdzv-store``): torch's shared store breaks
+    restarts. A job of one attempt keeps torch's default."""
+    environ = os.environ if environ is None else environ
+    if SHARE_STORE_ENV in environ:
+        return
+    if share:
+        environ[SHARE_STORE_ENV] = "0"
+    elif restarts:
+        environ[SHARE_STORE_ENV] = "1"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,4 +183,5 @@ def run(args: argparse.Namespace) -> int:
         # What torchrun does (with a warning): several processes must not each spawn a
         # thread per core. Set it here quietly; export OMP_NUM_THREADS to choose another value.
         os.environ["OMP_NUM_THREADS"] = "1"
+    choose_store_sharing(args.share_rdzv_store, can_restart(args))
     return launch(torchrun_argv(args))

@@ -55,9 +55,10 @@ from typing import Any, ClassVar
 import pytest
 
 from accelkit.testing import _module_folders, run_ranks
-from accelkit.testing.contract_runs import (
+from accelkit.testing.contract_runs import (  # the constants stay importable from here
     ACCUMULATION,
     CLIP,
+    GLOBAL_BATCH,  # noqa: F401  (plugins import it from here)
     SAVE_AT,
     STEPS,
     MLPWorkload,

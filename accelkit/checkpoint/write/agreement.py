@@ -16,9 +16,12 @@ group's timeout (30 minutes by default), and a rank that is still writing a larg
 disk must not be taken for a dead one. So each report opens with a roll call through the process
 group's store, which waits as long as the ranks still missing show signs of life (the
 :func:`working` heartbeat) and fails :func:`timeout_s` after the last one, naming the ranks that
-did not come. The collectives that follow run on a gloo group of their own
-(:func:`commit_group`) whose timeout is the same: they never interleave with the training loop's
-collectives, and a rank that dies between the roll call and them fails them in that time too.
+did not come. A rank that was sending heartbeats and stops (its process died, its node is gone)
+is named within :func:`lost_after_s` instead, not at the commit timeout; a slow disk keeps the
+heartbeat going (it beats from a thread of its own). The collectives that follow run on a gloo
+group of their own (:func:`commit_group`) whose timeout is the same: they never interleave with
+the training loop's collectives, and a rank that dies between the roll call and them fails them
+in that time too.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from accelkit import distributed
+from accelkit.checkpoint.read import same_source
 from accelkit.errors import CheckpointError
 
 #: ``ACCELKIT_COMMIT_TIMEOUT_S``'s default: far below the training group's 1800 s
 DEFAULT_TIMEOUT_S = 300.0
+#: ``ACCELKIT_HEARTBEAT_LOST_S``'s default: ten missed heartbeats (one a second)
+DEFAULT_LOST_AFTER_S = 10.0
 
 _calls: dict[str, int] = {}  # roll calls of each step on this rank (every rank counts alike)
 _group: Any = None
@@ -59,6 +65,29 @@ def timeout_s() -> float:
     return value
 
 
+def lost_after_s() -> float:
+    """Seconds without a heartbeat after which a rank that was sending them is taken for dead
+    at a save's roll call (``ACCELKIT_HEARTBEAT_LOST_S``, default 10)."""
+    raw = os.environ.get("ACCELKIT_HEARTBEAT_LOST_S", "").strip()
+    if not raw:
+        return DEFAULT_LOST_AFTER_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise CheckpointError(
+            f"ACCELKIT_HEARTBEAT_LOST_S={raw!r}: give a number of seconds > 0 "
+            f"(default {DEFAULT_LOST_AFTER_S:g})"
+        )
+    return value
+
+
+def heartbeat_s() -> float:
+    """Seconds between a working rank's heartbeats."""
+    return min(1.0, timeout_s() / 4, lost_after_s() / 4)
+
+
 def _multi() -> bool:
     import torch.distributed as dist
 
@@ -80,7 +109,7 @@ def commit_group() -> Any:
 
 
 def _keys(step: str, count: int) -> str:
-    return f"accelkit/save/{step}/{count}"
+    return f"save/{step}/{count}"
 
 
 @contextlib.contextmanager
@@ -90,16 +119,22 @@ def working(step: str) -> Iterator[None]:
     if not _multi():
         yield
         return
+    import torch.distributed as dist
+
     store = distributed._store()
-    alive = _keys(step, _calls.get(step, 0) + 1) + "/alive"
+    base = _keys(step, _calls.get(step, 0) + 1)
+    alive, mine = f"{base}/alive", f"{base}/alive/{dist.get_rank()}"
     stop = threading.Event()
-    every = min(1.0, timeout_s() / 4)
+    every = heartbeat_s()
 
     def beat() -> None:
-        while not stop.wait(every):
+        while True:
             try:
-                store.add(alive, 1)
+                store.add(alive, 1)  # a sign of life for the commit timeout
+                store.add(mine, 1)  # and whose, for a peer that stops beating
             except Exception:  # the store is gone: the roll call will say so
+                return
+            if stop.wait(every):
                 return
 
     thread = threading.Thread(target=beat, name="accelkit-save-alive", daemon=True)
@@ -123,6 +158,7 @@ def roll_call(step: str, what: str) -> None:
     store, rank, world = distributed._store(), dist.get_rank(), dist.get_world_size()
     count = _calls[step] = _calls.get(step, 0) + 1
     base = _keys(step, count)
+    lost = _LostPeers(store, base, rank, world, f"{what}: ", step)
     try:
         store.set(f"{base}/{rank}", "1")
         arrived = store.add(f"{base}/n", 1)
@@ -133,6 +169,7 @@ def roll_call(step: str, what: str) -> None:
             arrived = store.add(f"{base}/n", 0)
             signs = arrived + store.add(f"{base}/alive", 0)
             now = time.monotonic()
+            lost.look(now)
             if signs != seen:
                 seen, last_change = signs, now
             elif now - last_change > timeout:
@@ -154,11 +191,58 @@ def roll_call(step: str, what: str) -> None:
             "is gone. Nothing was committed; earlier checkpoints are intact."
         ) from err
     if count > 1:  # every rank passed the previous save's step: its keys can go
+        previous = _keys(step, count - 1)
         with contextlib.suppress(Exception):
-            store.delete_key(f"{_keys(step, count - 1)}/{rank}")
+            store.delete_key(f"{previous}/{rank}")
+            store.delete_key(f"{previous}/alive/{rank}")
             if rank == 0:
-                store.delete_key(f"{_keys(step, count - 1)}/n")
-                store.delete_key(f"{_keys(step, count - 1)}/alive")
+                store.delete_key(f"{previous}/n")
+                store.delete_key(f"{previous}/alive")
+                store.delete_key(f"{previous}/lost")
+
+
+class _LostPeers:
+    """Names a rank whose heartbeats stopped, at most once a heartbeat interval.
+
+    Rank 0 watches every rank still missing; the others watch rank 0 and read what rank 0
+    found (``<base>/lost``), so the store answers O(world) reads a second, not O(world^2). A
+    rank that never beat (it has not reached the save yet) is left to the commit timeout."""
+
+    def __init__(self, store: Any, base: str, rank: int, world: int, what: str, step: str):
+        self.store, self.base, self.rank, self.what, self.step = store, base, rank, what, step
+        self.watched = [r for r in range(world) if r != rank] if rank == 0 else [0]
+        self.every, self.limit = heartbeat_s(), lost_after_s()
+        self.beats: dict[int, tuple[int, float]] = {}
+        self.next_look = time.monotonic() + self.every
+
+    def look(self, now: float) -> None:
+        if now < self.next_look:
+            return
+        self.next_look = now + self.every
+        store = self.store
+        if store.check([f"{self.base}/lost"]):
+            raise CheckpointError(store.get(f"{self.base}/lost").decode(errors="replace"))
+        gone = []
+        for r in self.watched:
+            if store.check([f"{self.base}/{r}"]):
+                continue  # arrived
+            beats = store.add(f"{self.base}/alive/{r}", 0)
+            last = self.beats.get(r)
+            if last is None or beats != last[0]:
+                self.beats[r] = (beats, now)
+            elif beats > 0 and now - last[1] > self.limit:
+                gone.append(r)
+        if gone:
+            message = (
+                f"{self.what}rank(s) {gone} stopped sending heartbeats at the '{self.step}' step "
+                f"of the save (none for {self.limit:g} s, ACCELKIT_HEARTBEAT_LOST_S): the "
+                "process died or its node is gone. Nothing was committed; earlier checkpoints "
+                "are intact."
+            )
+            with contextlib.suppress(Exception):
+                store.set(f"{self.base}/lost", message)
+            distributed.post_abort(message)
+            raise CheckpointError(message)
 
 
 def agree(error: BaseException | None, what: str, group: Any = None) -> None:
@@ -166,9 +250,14 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
     error."""
     message = None if error is None else f"{type(error).__name__}: {error}"
     messages = distributed.all_gather_object(message, group)
-    failed = [(r, m) for r, m in enumerate(messages) if m]
+    failed = [(r, m) for r, m in enumerate(messages) if isinstance(m, str)]
     if not failed:
         return
+    opened = same_source.peers_opened(messages)  # a load's digest check paired with this
+    if opened and error is not None:
+        refused = same_source.cannot_read(error, opened, what)
+        refused.agreed = True  # type: ignore[attr-defined]
+        raise refused from error
     if error is not None and len(failed) == 1 and isinstance(error, CheckpointError):
         error.agreed = True  # type: ignore[attr-defined]
         raise error

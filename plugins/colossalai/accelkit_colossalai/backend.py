@@ -772,6 +772,17 @@ class ColossalHybridBackend(ColossalAIBackend):
         dist.broadcast(value, src=last, group=group)
         return value
 
+    def replica_holders(self) -> tuple[int, int]:
+        """Under ``pp`` only the ranks of this rank's stage (its data- and tensor-parallel
+        peers) hold its whole tensors: this rank's index among them, and their count."""
+        if self.settings.pipeline is None or self.plugin is None:
+            return self.rank, self.world_size
+        mesh = self.plugin.pg_mesh
+        axis = self.plugin.pp_axis
+        mine = mesh.unravel(self.rank, mesh.shape)[axis]
+        stage = [r for r in range(self.world_size) if mesh.unravel(r, mesh.shape)[axis] == mine]
+        return stage.index(self.rank), len(stage)
+
     @property
     def data_parallel_rank(self) -> int:
         import torch.distributed as dist

@@ -246,7 +246,7 @@ def local_fragments(backend: Any, state: dict[str, Any]) -> Iterator[Fragment | 
     write_optimizer = functools.partial(_optimizer_fragments, backend)
     unsharded = None
     if isinstance(layout, HybridLayout) and layout.pieces:
-        planner = ReplicaPlanner(backend.rank, backend.world_size)
+        planner = ReplicaPlanner(*backend.replica_holders())
         unsharded = functools.partial(_piece_weights, layout, planner)
     return sharded_fragments(
         backend, state, [layout], write_optimizer, entries=module_entries, unsharded=unsharded
@@ -332,7 +332,7 @@ def _optimizer_fragments(
         lambda slot: opt.state.get(slot.flat, {}),
         owners,
         planner,
-        rank=backend.rank,
+        rank=backend.replica_holders()[0],
         sharding=f"colossalai-{layout.kind}: each rank writes the flat range it holds",
         where=f"{backend.name}: ",
     )
@@ -384,7 +384,7 @@ def _piece_optimizer_fragments(
                 slot,
                 values,
                 planner,
-                rank=backend.rank,
+                rank=backend.replica_holders()[0],
                 scalar_state=scalar_state,
                 where=where,
             )

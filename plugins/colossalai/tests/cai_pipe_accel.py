@@ -64,4 +64,50 @@ def train(
     result["dp"] = [accel.backend.data_parallel_rank, accel.backend.data_parallel_world_size]
     if save_to:
         accel.save(save_to, {"model": model, "optimizer": optimizer})
+        result["saved"] = colossalai_view(accel.backend)
     return result
+
+
+def colossalai_view(backend: Any) -> dict[str, list[float]]:
+    """This stage's weights and momentum buffers as ColossalAI holds them: its Shardformer
+    module's ``state_dict`` and its optimizer wrapper's torch state, by parameter name."""
+    module = backend.model.unwrap()
+    inner = backend.optimizer
+    while not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optim
+    out = {f"model/{k}": v.reshape(-1).tolist() for k, v in module.state_dict().items()}
+    for name, param in module.named_parameters():
+        out[f"optimizer/momentum_buffer/{name}"] = (
+            inner.state[param]["momentum_buffer"].reshape(-1).tolist()
+        )
+    return out
+
+
+def load_fsdp(path: str) -> dict[str, Any]:
+    """The checkpoint into ``fsdp`` on 2 ranks (no pipeline), gathered back whole through
+    torch's own ``get_model_state_dict`` / ``get_optimizer_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    accel = accelkit.get("fsdp", device="cpu")
+    net = tiny_llama()
+    torch.manual_seed(1)
+    for param in net.parameters():  # other values: everything must come from the checkpoint
+        param.data.normal_()
+    model, optimizer = accel.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    accel.load(path, {"model": model, "optimizer": optimizer})
+    inner = accel.unwrap(model)
+    torch_opt = optimizer
+    while not isinstance(torch_opt, torch.optim.Optimizer):
+        torch_opt = torch_opt.optimizer
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(inner, options=options)
+    # full and offloaded: rank 0 holds everything, the others get empty dicts
+    state = get_optimizer_state_dict(inner, torch_opt, options=options).get("state", {})
+    out = {f"model/{k}": v.reshape(-1).tolist() for k, v in weights.items()}
+    for name, per in state.items():
+        out[f"optimizer/momentum_buffer/{name}"] = per["momentum_buffer"].reshape(-1).tolist()
+    return out

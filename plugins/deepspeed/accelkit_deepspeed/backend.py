@@ -283,6 +283,10 @@ class DeepSpeedBackend(DistributedBackend):
             return self.rank
         return self.rank % self.data_parallel_world_size
 
+    def replica_holders(self) -> tuple[int, int]:
+        """Under ``pp`` a stage's tensors are held by its data-parallel replicas only."""
+        return self.data_parallel_rank, self.data_parallel_world_size
+
     def data_parallel_group(self) -> Any:
         engine = self.engine
         if self.settings.pipeline is None or engine is None:

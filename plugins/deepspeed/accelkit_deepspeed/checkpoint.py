@@ -240,7 +240,7 @@ def _optimizer_fragments(
         lambda slot: base.state.get(slot.flat) or {},
         owners,
         planner,
-        rank=backend.rank,
+        rank=backend.replica_holders()[0],  # a stage's first holder writes scalars
         sharding=f"deepspeed ZeRO-{stage} ({type(layout.wrapper).__name__}): each rank "
         "writes the flat ranges it holds",
         step_granularity=layout.granularity,

@@ -67,4 +67,28 @@ def train(stage: int, micro: int = 4, save_to: str | None = None, **options: Any
     result["dp"] = [accel.backend.data_parallel_rank, accel.backend.data_parallel_world_size]
     if save_to:
         accel.save(save_to, {"model": model, "optimizer": opt})
+        result["saved"] = deepspeed_view(accel.backend.engine, stage)
     return result
+
+
+def deepspeed_view(engine: Any, stage: int) -> dict[str, list[float]]:
+    """This stage's weights and Adam moments through DeepSpeed's own views, by DeepSpeed's
+    layer index (``<i>.<key>``; the test maps the index to the unsplit name): each layer's
+    ``state_dict`` from ``forward_funcs``, the client optimizer's state (ZeRO-0) or
+    ``safe_get_full_optimizer_state`` (ZeRO-1)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    module = engine.module
+    out: dict[str, list[float]] = {}
+    for local, layer in enumerate(module.forward_funcs):
+        index = local + int(module._local_start)
+        for key, value in layer.state_dict().items():
+            out[f"model/{index}.{key}"] = value.flatten().tolist()
+        for key, param in layer.named_parameters():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if stage == 0:
+                    value = engine.optimizer.state[param][moment]
+                else:
+                    value = safe_get_full_optimizer_state(param, moment)
+                out[f"optimizer/{moment}/{index}.{key}"] = value.flatten().tolist()
+    return out
