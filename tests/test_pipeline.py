@@ -249,6 +249,11 @@ def test_trap_schedule_scaling_across_accumulation_is_wrong_and_accelkit_is_not(
     wrong = _raw(**common, accumulation=2, scale_grads=True)
     right = _raw(**common, accumulation=2, scale_grads=False)
     ours = _ours({"dp_shard": 2}, accumulation=2)
+    print(  # the figures docs/pipeline.md quotes (bench/results/2026-12-05-pipeline-traps.txt)
+        "scale_grads trap, pp2 x fsdp2, 1F1B, accumulation 2, AdamW, 2 steps: max|w - one "
+        f"process| scale_grads=True {_worst(wrong, ref):.3g}, False {_worst(right, ref):.3g}, "
+        f"accelkit {_worst(ours, ref):.3g}"
+    )
     assert _worst(wrong, ref) > 1e-3, _worst(wrong, ref)  # measured 4e-2
     assert _worst(right, ref) <= DP_FLOOR
     assert _worst(ours, ref) <= DP_FLOOR
@@ -265,6 +270,11 @@ def test_trap_zero_bubble_with_resharding_fsdp2_is_wrong_and_refused():
     wrong = _raw(**common, reshard_after_forward=True)
     assert _worst(wrong, ref) > 1e-3, _worst(wrong, ref)  # measured 2e-2 to 6e-2
     ours = _ours({"dp_shard": 2}, schedule="ZBVZeroBubble")
+    print(
+        "zero-bubble trap, pp2 x fsdp2, ZBVZeroBubble, AdamW, 2 steps: max|w - one process| "
+        f"reshard_after_forward=True {_worst(wrong, ref):.3g}, accelkit (False) "
+        f"{_worst(ours, ref):.3g}"
+    )
     assert _worst(ours, ref) <= DP_FLOOR  # accelkit's False; get() refuses True (test_pipeline_api)
 
 

@@ -184,6 +184,12 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
         module = self.prepare_module(module, activation_checkpointing)
         if self.mesh["dp"].size() == 1:
             return module
+        if self.settings.pipeline.stages_per_rank > 1:
+            # two DDP models of one rank running interleaved micro-batches break DDP's reducer
+            # (torch 2.13: "rebuilt parameter indices size is not same"): the gradients are
+            # averaged over the replicas once per window instead (optimizer_step)
+            self._average_at_step = True
+            return module
         ddp = DistributedDataParallel(
             module, process_group=self.mesh["dp"].get_group(), **self.ddp_kwargs()
         )
@@ -207,8 +213,19 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
             torch.nn.utils.clip_grads_with_norm_,
         )
 
+    #: interleaved stages without DDP: gradients averaged over the dp ranks at each step
+    _average_at_step = False
+
     def optimizer_step(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
-        """Under pp, a weight tied across stages gets its gradients summed first."""
+        """Under pp, a weight tied across stages gets its gradients summed first (and, for
+        interleaved stages, every gradient averaged over the replicas)."""
+        if self._average_at_step:
+            group, size = self.mesh["dp"].get_group(), self.mesh["dp"].size()
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad, group=group)
+                        p.grad.div_(size)
         self.sum_tied_grads(model)
         return super().optimizer_step(model, optimizer, **kwargs)
 

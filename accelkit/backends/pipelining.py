@@ -325,7 +325,7 @@ class CrossStageTie:
 
 
 def cross_stage_ties(
-    model: nn.Module, plan: list[list[str]], settings: PipelineSettings, pp_rank: int
+    model: nn.Module, plan: list[list[str]], settings: PipelineSettings
 ) -> list[tuple[str, list[str], list[int]]]:
     """``(canonical name, member names, pipeline ranks holding it)`` for each parameter that
     modules of more than one pipeline rank share."""
@@ -359,7 +359,6 @@ def cross_stage_ties(
         )
         if len(ranks) > 1:
             out.append((members[0], members, ranks))
-    del pp_rank
     return out
 
 
@@ -390,12 +389,10 @@ class PipelinedModule(nn.Module):
 def _schedule_class(name: str) -> Any:
     from torch.distributed import pipelining
 
-    cls = getattr(pipelining, "Schedule" + name.replace("ZBVZeroBubble", "ZBVZeroBubble"), None)
+    cls = getattr(pipelining, "Schedule" + name, None)
     if cls is None:
-        import torch as _torch
-
         raise UnsupportedError(
-            f"pipeline: torch {_torch.__version__} has no {name!r} schedule "
+            f"pipeline: torch {torch.__version__} has no {name!r} schedule "
             f"(torch.distributed.pipelining.Schedule{name}); pick another schedule"
         )
     return cls
@@ -677,7 +674,7 @@ class PipelineParallel:
         ids = settings.stage_ids(pp_rank)
         keep = {n for i in ids for n in plan[i]}
         slots = optimizer_slots(model, optimizers, backend.name)
-        ties = cross_stage_ties(model, plan, settings, pp_rank)
+        ties = cross_stage_ties(model, plan, settings)
         for optimizer in optimizers:  # the full model's parameters must not stay alive
             for group in optimizer.param_groups:
                 group["params"] = []
@@ -686,6 +683,17 @@ class PipelineParallel:
             materializer.check(model)
             replay_init(model, keep, materializer)
         stage_modules = [prune(model, plan[i], root_params=i == 0) for i in ids]
+        if len(stage_modules) > 1:
+            owner: dict[int, int] = {}
+            for index, module in zip(ids, stage_modules):
+                for name, p in module.named_parameters():
+                    if owner.setdefault(id(p), index) != index:
+                        raise ConfigError(
+                            f"pipeline: {name} is shared by stages {owner[id(p)]} and {index}, "
+                            f"which both run on pipeline rank {pp_rank} ({settings.schedule}); "
+                            "a weight tied across two stages of one rank is not supported: "
+                            "use a schedule with one stage per rank (1F1B, GPipe) or untie it"
+                        )
         runs = [backend._wrap_stage(m, activation_checkpointing, compile) for m in stage_modules]
         if len(ids) == 1:
             local = stage_modules[0]
