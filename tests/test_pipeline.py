@@ -8,8 +8,9 @@ Tolerances, measured (torch 2.13 CPU, fp32): pure pipelines are bit-exact on the
 losses for every schedule but LoopedBFS; the clipping norm adds the stages' squared norms, one
 rounding away from ``clip_grad_norm_`` over all tensors (1 ulp measured: 6e-8 on a norm of 0.56),
 which can move a weight by an ulp: the comparisons allow ``EXACT_FLOOR = 1e-6``. With data
-parallelism inside the stages, gradients are summed over ranks in another order: 1e-5 (FSDP2 x
-pp, measured 6e-8 in the probe; AdamW's first steps magnify it).
+parallelism inside the stages, gradients are summed over ranks in another order: 1e-5 (pp x
+FSDP2 measured 6e-8 with 1F1B, 4.5e-7 with ZBVZeroBubble: bench/results/
+2026-12-05-pipeline-traps.txt; AdamW's first steps magnify it).
 """
 
 from __future__ import annotations

@@ -524,9 +524,9 @@ class FSDPBackend(PipelineParallel, DistributedBackend):
         ):
             raise ConfigError(
                 f"fsdp: the {pipeline.schedule} schedule with reshard_after_forward="
-                f"{options.reshard_after_forward!r} gives wrong gradients (measured 2e-2 to 6e-2 "
-                "off a one-process run with torch 2.13: the split backward's weight part "
-                "runs on resharded parameters); leave reshard_after_forward out (False "
+                f"{options.reshard_after_forward!r} gives wrong gradients (measured 4e-2 off a "
+                "one-process run with torch 2.13, bench/results/2026-12-05-pipeline-traps.txt: "
+                "the split backward's weight part runs on resharded parameters); leave reshard_after_forward out (False "
                 "under pp) or pick GPipe / 1F1B / Interleaved1F1B"
             )
         return super().resolve_settings(name, options, settings)
