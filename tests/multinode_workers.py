@@ -80,7 +80,7 @@ def heartbeat(lost_after: float, slow_s: float) -> dict:
     """Rank 1 works at the 'written' step of a save, beating; rank 0 waits at its roll call.
     ``slow_s`` < 0: rank 1 dies (no exit handlers) after a few beats; else it arrives after
     ``slow_s`` seconds of beating (a slow disk)."""
-    from accelkit.checkpoint import commit
+    from accelkit.checkpoint.write import agreement as commit
 
     accel = accelkit.get("ddp", timeout=120.0)
     if accel.rank == 1:
