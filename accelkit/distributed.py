@@ -139,8 +139,8 @@ def _leave_group_at_exit() -> None:
     # scripts): the worker threads outlive destroy_process_group by the same moment
     time.sleep(_GLOO_DRAIN_S)
     _ATTEMPT[0] = None
-    status = _EXIT_STATUS[0]
-    if status is not None:  # the last word at exit: the handlers registered later have run
+    status, still = _EXIT_STATUS
+    if status is not None and still():  # the last word: the handlers registered later have run
         logging.shutdown()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -148,14 +148,16 @@ def _leave_group_at_exit() -> None:
         os._exit(status)
 
 
-#: the status this process ends with, whatever the script returns (None: the script's own)
-_EXIT_STATUS: list[int | None] = [None]
+#: the status this process ends with, whatever the script returns (None: the script's own), and
+#: whether it still holds at exit
+_EXIT_STATUS: list[Any] = [None, lambda: True]
 
 
-def exit_status_at_exit(status: int) -> None:
+def exit_status_at_exit(status: int, still: Any = None) -> None:
     """End this process with ``status`` once the script has finished and the group is left
-    (after the atexit handlers registered since joining it: trackers, an asynchronous save)."""
-    _EXIT_STATUS[0] = status
+    (after the atexit handlers registered since joining it: trackers, an asynchronous save),
+    if ``still()`` (default: always) says it holds then."""
+    _EXIT_STATUS[:] = [status, still or (lambda: True)]
     if not is_initialized():  # no group, so no exit handler of ours was registered yet
         atexit.register(_leave_group_at_exit)
 

@@ -261,7 +261,7 @@ class StopSignal:
             self._report()
             leaving = [n for n in range(nodes) if int(wanted[1 + n]) > 0]
             if leaving and node not in leaving and len(leaving) < nodes:
-                continue_without(leaving)
+                continue_without(leaving, self)
         return self._agreed
 
     def _report(self) -> None:
@@ -303,14 +303,16 @@ def elastic_node() -> tuple[int, int] | None:
     return (node, nodes) if nodes > 1 and 0 <= node < nodes else None
 
 
-def continue_without(leaving: list[int]) -> None:
+def continue_without(leaving: list[int], watcher: StopSignal | None = None) -> None:
     """Other nodes were signalled and leave; this one was not. The loop saves and stops as
     everywhere (the checkpoint has every rank's state), then this process exits with
     :data:`CONTINUE_STATUS` instead of 0: a worker that ends 0 tells its agent the job is done,
     and a survivor would report success with the work undone. The agent restarts its workers
     (one of ``--max-restarts``), they meet at a rendezvous without the leaving nodes, and
     ``auto_resume`` goes on from the checkpoint at the smaller world size. A static job
-    (``--nnodes N``) cannot shrink: its rendezvous waits for the lost node, then fails."""
+    (``--nnodes N``) cannot shrink: its rendezvous waits for the lost node, then fails. If this
+    process is signalled too before it ends (its node is preempted a moment later), it leaves
+    like the others, with the script's own status."""
     rank = torch.distributed.get_rank() if distributed.is_initialized() else 0
     log.warning(
         "rank %d: node(s) %s were signalled and leave the job; this node goes on: after the "
@@ -320,7 +322,9 @@ def continue_without(leaving: list[int]) -> None:
         leaving,
         CONTINUE_STATUS,
     )
-    distributed.exit_status_at_exit(CONTINUE_STATUS)
+    distributed.exit_status_at_exit(
+        CONTINUE_STATUS, lambda: watcher is None or watcher.received is None
+    )
 
 
 def _end_after_grace(grace: float) -> None:
