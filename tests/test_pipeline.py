@@ -153,7 +153,20 @@ def _move(source: str, target: str, tmp_path: Path, **extra):
 
 
 def test_checkpoint_pp2_loads_without_pipeline(tmp_path):
-    _move("pp2", "pp1", tmp_path)
+    import json
+    import subprocess
+    import sys
+
+    path = _move("pp2", "pp1", tmp_path)
+    manifest = json.loads((path / "accelkit.json").read_text())
+    assert manifest["pipeline"]["pp"] == 2 and manifest["pipeline"]["schedule"] == "1F1B"
+    shown = subprocess.run(
+        [sys.executable, "-m", "accelkit.cli", "inspect", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "pipeline    pp 2   1F1B   4 micro-batches" in shown
 
 
 @pytest.mark.slow

@@ -165,3 +165,116 @@ def test_what_a_pipeline_cannot_run_is_refused_at_get(backend, options, match):
     """Before any process joins (one process here: the refusal comes first)."""
     with pytest.raises(ConfigError, match=match):
         accelkit.get(backend, device="cpu", pp=2, **options)
+
+
+# ---- the split and the initialisation, in one process -------------------------------------------
+class _Block(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(n))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _settings(pp: int, **pipeline):
+    return resolve_pipeline(pp, pipeline)
+
+
+def test_split_auto_names_and_points():
+    from accelkit.backends.pipeline_split import plan_stages
+
+    model = _Stack(6)
+    assert plan_stages(model, _settings(2)) == [
+        ["embed", "blocks.0", "blocks.1", "blocks.2"],
+        ["blocks.3", "blocks.4", "blocks.5", "head"],
+    ]
+    # the embedding and the head count in the balance: the end stages take one block each
+    assert plan_stages(model, _settings(4)) == [
+        ["embed", "blocks.0"],
+        ["blocks.1", "blocks.2"],
+        ["blocks.3", "blocks.4"],
+        ["blocks.5", "head"],
+    ]
+    names = _settings(2, split=[["embed", "blocks.0-1"], ["blocks.2-5", "head"]])
+    assert plan_stages(model, names)[1] == ["blocks.2", "blocks.3", "blocks.4", "blocks.5", "head"]
+    points = _settings(2, split={"blocks.4": "begin"})
+    assert plan_stages(model, points) == [
+        ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3"],
+        ["blocks.4", "blocks.5", "head"],
+    ]
+    with pytest.raises(ConfigError, match="fewer than the 8 stages"):
+        plan_stages(model, _settings(8))
+    with pytest.raises(ConfigError, match=r"modules the model does not have: \['blocks.9'\]"):
+        plan_stages(model, _settings(2, split=[["embed"], ["blocks.9"]]))
+
+
+def test_a_split_that_leaves_parameters_out_is_refused():
+    from accelkit.backends.pipeline_split import check_cover
+
+    model = _Stack(2)
+    with pytest.raises(ConfigError, match=r"on no stage: \['head'\]"):
+        check_cover(model, [["embed", "blocks.0"], ["blocks.1"]])
+
+
+def test_a_stage_keeps_the_unsplit_names_and_runs_the_model_forward():
+    """Stage 0 then stage 1 of a pruned copy compute what the whole model does."""
+    from accelkit.backends.pipeline_split import PassThrough, plan_stages, prune
+
+    torch.manual_seed(0)
+    model = _Stack(4)
+    plan = plan_stages(model, _settings(2))
+    first, last = (prune(model, names, root_params=i == 0) for i, names in enumerate(plan))
+    assert [n for n, _ in last.named_parameters()][:2] == ["blocks.2.fc.weight", "blocks.2.fc.bias"]
+    assert isinstance(last.embed, PassThrough) and len(last.blocks) == 2
+    x = torch.randn(3, 4)
+    assert torch.equal(last(_hidden(first, x)), model(x))
+
+
+def _hidden(first, x):
+    # stage 0's output is the hidden state: its head is a pass-through
+    return first(x)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_meta_build_replayed_gives_every_stage_the_plain_build(pp):
+    """No seed checkpoint: the same weights as a plain build with the same seed, bit for bit, at
+    every stage count (each 'rank' here replays the whole init and keeps its stage)."""
+    from accelkit.backends.fsdp import FSDPBackend, _Materializer
+    from accelkit.backends.pipeline_split import plan_stages, prune, replay_init
+    from accelkit.precision import Precision
+
+    torch.manual_seed(0)
+    plain = dict(_Stack(6).named_parameters())
+    plan = plan_stages(_Stack(6), _settings(max(pp, 2))) if pp > 1 else [None]
+    for stage in range(pp):
+        created: list = []
+        from accelkit.backends.fsdp import build_context
+
+        torch.manual_seed(0)
+        with build_context(True, torch.device("cpu"), Precision(), created):
+            model = _Stack(6)
+        assert all(p.is_meta for p in model.parameters())
+        keep = set(plan[stage]) if pp > 1 else {n for n, _ in model.named_children()}
+        replay_init(model, keep, _Materializer(model, torch.device("cpu")))
+        part = prune(model, sorted(keep), root_params=stage == 0)
+        for name, p in part.named_parameters():
+            assert torch.equal(p, plain[name]), (pp, stage, name)
+        others = [p for n, p in model.named_parameters() if not any(
+            n == k or n.startswith(k + ".") for k in keep)]  # fmt: skip
+        assert all(p.is_meta for p in others)  # the other stages' weights were dropped
+    del FSDPBackend

@@ -50,6 +50,15 @@ def summary_lines(reader: Any, cited: str | None = None) -> list[str]:
         "written by  " + ", ".join(f"{k} {v}" for k, v in writer.items()) + f"; {when}",
         f"world size  {data.get('world_size')}   precision {data.get('precision')}   "
         f"step {data.get('step')}",
+        *(
+            [
+                f"pipeline    pp {data['pipeline'].get('pp')}   "
+                f"{data['pipeline'].get('schedule')}   "
+                f"{data['pipeline'].get('microbatches')} micro-batches (any layout loads it)"
+            ]
+            if isinstance(data.get("pipeline"), dict)
+            else []
+        ),
         "files       "
         + ", ".join(
             f"{name} ({_size(info.get('bytes', 0))})" for name, info in data["files"].items()

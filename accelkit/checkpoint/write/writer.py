@@ -464,6 +464,9 @@ def _build_manifest(
         "backend_state": main.get("backend_state", {}),
         "rng": {str(r["rank"]): r["rng"] for r in records if "rng" in r},
     }
+    pipeline = getattr(backend.settings, "pipeline", None)
+    if pipeline is not None:  # informational: a load at any layout ignores it
+        data["pipeline"] = pipeline.describe()
     rank_states = {str(r["rank"]): r["rank_state"] for r in records if "rank_state" in r}
     if rank_states:
         data["rank_state"] = rank_states
