@@ -268,6 +268,8 @@ class Bridge:
         if isinstance(optim_wrapper, OptimWrapperDict):
             return self.setup_parts(model, optim_wrapper)
         kwargs = dict(self.adapter.setup_kwargs)
+        if self.adapter.pipeline_loss is not None and accel.backend.settings.pipeline is not None:
+            return self._setup_pipeline(model, optim_wrapper, kwargs)
         if optim_wrapper is None:
             wrapped = accel.setup(model, **kwargs)
         else:
@@ -278,6 +280,34 @@ class Bridge:
             wrapped, optimizer = accel.setup(model, optim_wrapper.optimizer, **kwargs)
             optim_wrapper.attach(accel, wrapped, optimizer)
         return AccelkitModelWrapper(accelerator=accel, model=wrapped, module=model)
+
+    def _setup_pipeline(
+        self, model: torch.nn.Module, optim_wrapper: Any, kwargs: dict[str, Any]
+    ) -> AccelkitModelWrapper:
+        """``pp > 1``: a copy of the whole model for validation (made before setup, which
+        splits the model), then ``accel.setup`` as usual."""
+        import copy
+
+        accel = self.accel
+        if optim_wrapper is None:
+            raise UnsupportedError(
+                "pp under MMEngine: val()/test() alone has no pipeline to run; evaluate the "
+                "checkpoint without pp (accelkit=dict(backend=..., pp=1))"
+            )
+        if not isinstance(optim_wrapper, AccelkitOptimWrapper):
+            raise ConfigError(
+                f"expected an AccelkitOptimWrapper, got {type(optim_wrapper).__name__}"
+            )
+        eval_copy = copy.deepcopy(model)
+        wrapped, optimizer = accel.setup(model, optim_wrapper.optimizer, **kwargs)
+        optim_wrapper.attach(accel, wrapped, optimizer)
+        return AccelkitModelWrapper(
+            accelerator=accel,
+            model=wrapped,
+            module=model,
+            pipeline_loss=self.adapter.pipeline_loss,
+            eval_copy=eval_copy,
+        )
 
     def setup_parts(self, model: torch.nn.Module, wrappers: Any) -> AccelkitModelWrapper:
         """Several optimizers (a GAN's generator and discriminator): each submodule that an

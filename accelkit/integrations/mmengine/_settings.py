@@ -82,6 +82,10 @@ class AdapterOptions:
     init_module: bool = False
     #: keyword arguments for ``accel.setup`` (``compile=...``, ``activation_checkpointing=...``)
     setup_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: under ``pp``: the model's method, by path (``"head.loss"``), that turns the last stage's
+    #: output and the batch's ``data_samples`` into MMEngine's loss dict (``pipeline=dict(
+    #: loss=...)``; read here, it is not an accelkit pipeline option)
+    pipeline_loss: str | None = None
     #: everything else: backend options handed to ``accelkit.get``
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -102,7 +106,18 @@ class AdapterOptions:
             raise ConfigError(f"{where}: 'seed' comes from MMEngine's randomness=dict(seed=...)")
         known = {k: raw.pop(k) for k in ADAPTER_KEYS if k in raw}
         setup_kwargs = dict(known.pop("setup_kwargs", None) or {})
-        return cls(**known, setup_kwargs=setup_kwargs, options=raw)
+        pipeline_loss = None
+        if isinstance(raw.get("pipeline"), dict):
+            raw["pipeline"] = dict(raw["pipeline"])
+            pipeline_loss = raw["pipeline"].pop("loss", None)
+        pp = raw.get("pp", 1)
+        if isinstance(pp, int) and pp > 1 and not isinstance(pipeline_loss, str):
+            raise ConfigError(
+                f"{where}: pp={pp} needs pipeline=dict(loss='head.loss'): the path of the "
+                "model's method that takes the last stage's output (forward in mode='tensor') "
+                "and the batch's data_samples and returns the loss dict, as a head's loss does"
+            )
+        return cls(**known, setup_kwargs=setup_kwargs, pipeline_loss=pipeline_loss, options=raw)
 
 
 @dataclass

@@ -104,6 +104,8 @@ class AccelkitModelWrapper(torch.nn.Module):
         model: torch.nn.Module,
         module: torch.nn.Module | None = None,
         parts: dict[str, torch.nn.Module] | None = None,
+        pipeline_loss: str | None = None,
+        eval_copy: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         # plain attributes, not submodules: ``module`` is the one child, as in MMEngine's
@@ -114,7 +116,15 @@ class AccelkitModelWrapper(torch.nn.Module):
         #: ``setup`` returned, also in the model in their place), as MMEngine's
         #: MMSeparateDistributedDataParallel wraps them; empty for one optimizer
         object.__setattr__(self, "parts", dict(parts or {}))
-        self.module = _module_handed_in(accelerator, model, module)
+        #: under ``pp``: the model's loss method path and the whole-model copy validation
+        #: runs on (:meth:`_pipeline_train_step`, :meth:`_pipeline_eval_model`)
+        object.__setattr__(self, "pipeline_loss", pipeline_loss)
+        object.__setattr__(self, "_eval_copy", eval_copy)
+        object.__setattr__(self, "_eval_version", None)
+        if pipeline_loss is not None and module is not None:
+            self.module = module  # the model as built: the stage is a pruned copy of it
+        else:
+            self.module = _module_handed_in(accelerator, model, module)
         object.__setattr__(self, "_setup_module", self.module)
 
     @property
@@ -150,6 +160,8 @@ class AccelkitModelWrapper(torch.nn.Module):
         return self.train(False)
 
     def train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        if self.pipeline_loss is not None:
+            return self._pipeline_train_step(data, optim_wrapper)
         if self._unwrapped:
             return self.module.train_step(data, optim_wrapper=optim_wrapper)
         # backward inside the window's context too (MMEngine's DDP wrapper leaves it outside):
@@ -162,6 +174,56 @@ class AccelkitModelWrapper(torch.nn.Module):
             optim_wrapper.update_params(parsed_loss)
         return log_vars
 
+    def _pipeline_train_step(self, data: Any, optim_wrapper: Any) -> dict[str, torch.Tensor]:
+        """``pp > 1``: the data preprocessor on every rank, then ``accel.forward_backward`` over
+        the batch's ``inputs``. The stage forward runs in ``mode='tensor'``; on the last stage
+        the loss method (``pipeline=dict(loss='head.loss')``) turns each micro-batch's output
+        and its ``data_samples`` into the loss dict, and ``parse_losses`` into the loss. The
+        data samples ride along as their indices (a micro-batch's target is its slice of
+        them). The logged loss is the mean over the micro-batches, on every rank."""
+        data = self.module.data_preprocessor(data, True)
+        if not isinstance(data, dict) or "inputs" not in data:
+            raise UnsupportedError(
+                "pp under MMEngine: the data preprocessor must return a dict with 'inputs' (and "
+                "'data_samples'), as BaseDataPreprocessor does"
+            )
+        inputs, samples = data["inputs"], data.get("data_samples")
+        count = len(samples) if samples is not None else len(inputs)
+        index = torch.arange(count, device=inputs.device if hasattr(inputs, "device") else None)
+        stage = self.accelerator.unwrap(self.wrapped)
+        parse = self.module.parse_losses
+
+        def run(factor: float) -> torch.Tensor:
+            def loss_fn(output: Any, rows: torch.Tensor) -> torch.Tensor:
+                method: Any = stage
+                for part in self.pipeline_loss.split("."):
+                    method = getattr(method, part)
+                picked = [samples[i] for i in rows.tolist()] if samples is not None else None
+                parsed, _ = parse(method(output, picked))
+                return parsed * factor if factor != 1 else parsed
+
+            return self.accelerator.forward_backward(
+                self.wrapped, inputs, target=index, loss_fn=loss_fn
+            )
+
+        loss = optim_wrapper.update_params_by(run)
+        return {"loss": loss}
+
+    def _pipeline_eval_model(self) -> torch.nn.Module:
+        """Validation under ``pp``: the whole model, its weights gathered from every stage
+        (``accel.full_state_dict``, a collective every rank runs at its first val_step after
+        an optimizer step) into a copy made before setup. Every rank then evaluates its share
+        of the validation data on the whole model; the memory is the whole model's."""
+        if self._eval_copy is None:
+            raise UnsupportedError("pp under MMEngine: no model copy to validate on")
+        version = self.accelerator.applied_steps
+        if self._eval_version != version:
+            state = self.accelerator.full_state_dict(self.wrapped)
+            self._eval_copy.load_state_dict(state, strict=True)
+            object.__setattr__(self, "_eval_version", version)
+        self._eval_copy.eval()
+        return self._eval_copy
+
     @property
     def _direct_eval(self) -> bool:
         """Evaluate on the module itself, as MMEngine's ``MMDistributedDataParallel`` does:
@@ -172,12 +234,16 @@ class AccelkitModelWrapper(torch.nn.Module):
         )
 
     def val_step(self, data: Any) -> list:
+        if self.pipeline_loss is not None:
+            return self._pipeline_eval_model().val_step(data)
         if self._direct_eval or self._module_replaced:
             return self.module.val_step(data)
         data = self.module.data_preprocessor(data, False)
         return _run_forward(self.wrapped, data, mode="predict")
 
     def test_step(self, data: Any) -> list:
+        if self.pipeline_loss is not None:
+            return self._pipeline_eval_model().test_step(data)
         if self._direct_eval or self._module_replaced or _is_tta(self.module):
             return self.module.test_step(data)
         data = self.module.data_preprocessor(data, False)

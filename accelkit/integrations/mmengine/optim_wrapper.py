@@ -150,6 +150,24 @@ class AccelkitOptimWrapper(OptimWrapper):
             self._place_window(closes=False, counted=self._inner_count - 1)
             self._accel.step(self.optimizer)
 
+    def update_params_by(self, forward_backward: Any) -> torch.Tensor:
+        """Under pipeline parallelism: ``forward_backward(factor)`` runs the forward and
+        backward of the whole batch (``accel.forward_backward``, each loss multiplied by
+        ``factor``, MMEngine's accumulation factor over accelkit's); then step and zero_grad
+        where :meth:`update_params` would. Returns what ``forward_backward`` returned."""
+        n = self._accel.accumulation_steps
+        divisor = self._loss_factor()
+        self._place_window(closes=self.should_sync(), counted=self._inner_count)
+        loss = forward_backward(n / divisor)
+        self._inner_count += 1
+        if self.should_update():
+            self.step()
+            self.zero_grad()
+        else:
+            self._place_window(closes=False, counted=self._inner_count - 1)
+            self._accel.step(self.optimizer)
+        return loss
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Plain backward, as MMEngine's ``OptimWrapper.backward`` (no accumulation factor)."""
         self._backward_divided_by(loss, 1, **kwargs)

@@ -41,6 +41,32 @@ def _wrappers(optim_wrapper: Any) -> list[Any]:
     return list(optim_wrapper.values()) if isinstance(optim_wrapper, OptimWrapperDict) else []
 
 
+def reshard_sampler(sampler: Any, rank: int, world: int) -> None:
+    """Point MMEngine's ``DefaultSampler`` / ``InfiniteSampler`` at another rank and world
+    size (the data-parallel ones), as if they had been built with them."""
+    import math
+
+    from mmengine.dataset import DefaultSampler, InfiniteSampler
+
+    if isinstance(sampler, DefaultSampler):
+        sampler.rank, sampler.world_size = rank, world
+        if sampler.round_up:
+            sampler.num_samples = math.ceil(len(sampler.dataset) / world)
+            sampler.total_size = sampler.num_samples * world
+        else:
+            sampler.num_samples = math.ceil((len(sampler.dataset) - rank) / world)
+            sampler.total_size = len(sampler.dataset)
+    elif isinstance(sampler, InfiniteSampler):
+        sampler.rank, sampler.world_size = rank, world
+        sampler.indices = sampler._indices_of_rank()
+    else:
+        raise UnsupportedError(
+            f"pp under MMEngine: the training sampler {type(sampler).__name__} cannot be "
+            "sharded by the data-parallel rank (every stage of a replica must read the same "
+            "batches); use DefaultSampler or InfiniteSampler"
+        )
+
+
 @RUNNERS.register_module()
 class AccelkitRunner(Runner):
     """MMEngine's Runner with the model, optimizer and checkpoints handled by accelkit.
@@ -150,6 +176,20 @@ class AccelkitRunner(Runner):
         self.model = self._bridge.setup(self.model, optim_wrapper, micro_batch=micro_batch)
         self._setup_wrapper = optim_wrapper
         self._bridge.check_hooks(self._hooks, self.model)  # before before_run builds EMAHook's copy
+
+    def build_train_loop(self, loop: Any) -> Any:
+        """MMEngine's, with the training sampler sharded by the data-parallel rank under
+        ``pp``: the stages of one replica must read the same batches (MMEngine's samplers shard
+        by the process rank)."""
+        built = super().build_train_loop(loop)
+        accel = self.accelerator
+        if accel is not None and accel.backend.settings.pipeline is not None:
+            reshard_sampler(
+                built.dataloader.sampler,
+                accel.backend.data_parallel_rank,
+                accel.backend.data_parallel_world_size,
+            )
+        return built
 
     def build_optim_wrapper(self, optim_wrapper: Any) -> Any:
         """MMEngine's ``build_optim_wrapper``, building an :class:`AccelkitOptimWrapper`.
