@@ -110,6 +110,12 @@ def train(
     except accelkit.UnsupportedError as err:
         refused = str(err)
     full = {k: v.reshape(-1).tolist() for k, v in accel.full_state_dict(model).items()}
+    other = Net(n_layers, tie)
+    try:
+        accel.setup(other, torch.optim.SGD(other.parameters(), lr=0.1), compile=True)
+        refused += " | compile accepted"
+    except accelkit.ConfigError as err:
+        refused += f" | {err}"
     return {
         "full": full,
         "refused": refused,

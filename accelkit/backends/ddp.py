@@ -179,8 +179,6 @@ class DDPBackend(PipelineParallel, DistributedBackend, SingleDeviceBackend):
         self, module: torch.nn.Module, activation_checkpointing: Any, compile: Any
     ) -> torch.nn.Module:
         """One pipeline stage: on the device, replicated over the stage's dp ranks."""
-        if compile:
-            raise ConfigError(f"{self.name}: compile=True is not supported with pp > 1 yet")
         module = self.prepare_module(module, activation_checkpointing)
         if self.mesh["dp"].size() == 1:
             return module

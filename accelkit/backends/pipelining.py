@@ -400,6 +400,12 @@ class PipelineParallel:
 
         backend: Any = self
         settings: PipelineSettings = backend.settings.pipeline
+        if compile:
+            raise ConfigError(
+                f"{backend.name}: compile=True is not supported with pp > 1 yet (torch's "
+                "pipeline stages run the stage modules eagerly here, untested compiled); leave "
+                "compile out under pp"
+            )
         mesh = backend.mesh
         pp_rank = mesh["pp"].get_local_rank()
         plan = plan_stages(model, settings)
