@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -423,6 +424,12 @@ class Bridge:
     ) -> None:
         """A whole model's state dict (user names) into the set-up model; with several
         optimizers on a backend that shards, part by part (each part is its own set-up model)."""
+        if model.parts:  # MMEngine's MMSeparateDistributedDataParallel checkpoints name
+            # each part's DDP too (generator.module.0.weight)
+            revise_keys = [
+                *revise_keys,
+                (rf"^({'|'.join(map(re.escape, model.parts))})\.module\.", r"\1."),
+            ]
         if not (model.parts and self.accel.capabilities.sharded):
             ckpt.load_state_dict_into(
                 self.accel, model.wrapped, state_dict, strict=strict, revise_keys=revise_keys
@@ -602,13 +609,7 @@ class Bridge:
                 optimizer_state=optimizer_state,
             )
             return state
-        ckpt.load_state_dict_into(
-            self.accel,
-            model.wrapped,
-            state.pop("state_dict"),
-            strict=strict,
-            revise_keys=revise_keys,
-        )
+        self._load_weights(model, state.pop("state_dict"), strict=strict, revise_keys=revise_keys)
         if optim_wrapper is not None and "optimizer" in state:
             optim_wrapper.load_state_dict(state.pop("optimizer"))
         return state

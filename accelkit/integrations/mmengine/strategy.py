@@ -113,6 +113,27 @@ class AccelkitStrategy(BaseStrategy):
         self._prepared = True
         return self._prepared_components()
 
+    def build_param_scheduler(
+        self, scheduler: Any, optim_wrapper: Any, default_args: dict | None = None
+    ) -> Any:
+        """MMEngine's, with a dict of schedulers per optimizer: MMEngine 0.10's BaseStrategy
+        pops ``max_epochs``/``max_iters`` out of the ``default_args`` it shares between the
+        optimizers, so a second optimizer's scheduler without ``end`` fails ("max_epochs must
+        be specified in default_args"); here each optimizer gets its own."""
+        from mmengine.optim import OptimWrapperDict
+
+        if not isinstance(optim_wrapper, OptimWrapperDict):
+            return super().build_param_scheduler(scheduler, optim_wrapper, default_args)
+        per_name = isinstance(scheduler, dict) and "type" not in scheduler
+        return {
+            name: super(AccelkitStrategy, self).build_param_scheduler(
+                scheduler[name] if per_name else scheduler,
+                wrapper,
+                None if default_args is None else dict(default_args),
+            )
+            for name, wrapper in optim_wrapper.items()
+        }
+
     # ---- checkpoints --------------------------------------------------------------------------
     def load_checkpoint(
         self,
