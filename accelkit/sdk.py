@@ -124,6 +124,7 @@ _SOURCES: dict[str, str] = {
     "check_dense_load": "accelkit.checkpoint.shards.validate",
     "check_module_targets": "accelkit.checkpoint.shards.validate",
     "check_optimizer": "accelkit.checkpoint.shards.validate",
+    "check_state_keys": "accelkit.checkpoint.shards.validate",
     "classify_state": "accelkit.checkpoint.shards.sharded",
     "fill_tensor": "accelkit.checkpoint.shards.sharded",
     "group_scalar": "accelkit.checkpoint.shards.sharded",
@@ -277,6 +278,7 @@ __all__ = [
     "check_dense_load",
     "check_module_targets",
     "check_optimizer",
+    "check_state_keys",
     "classify_state",
     "fill_tensor",
     "group_scalar",
@@ -458,6 +460,7 @@ if TYPE_CHECKING:
         check_dense_load,
         check_module_targets,
         check_optimizer,
+        check_state_keys,
     )
     from accelkit.checkpoint.store import register_store, store_for
     from accelkit.checkpoint.store.base import (

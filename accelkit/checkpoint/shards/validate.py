@@ -173,6 +173,31 @@ def check_optimizer(
     _check_state_keys(reader, name, where, groups, group_names, live_state, live_keys)
 
 
+def check_state_keys(reader: Any, name: str, live_keys: set[str]) -> None:
+    """Optimizer ``name``'s saved per-parameter state holds every key the live optimizer keeps
+    (``live_keys``, read wherever its state lives: a library's flat partitions, other ranks), or
+    the load is refused under ``strict`` before anything is written: a checkpoint of another
+    optimizer (SGD's ``momentum_buffer`` into a trained Adam) would leave the live keys stale
+    or missing. Nothing to compare where either side has no state yet. For a backend whose
+    optimizer steps flat tensors, which :func:`check_dense_load` cannot name."""
+    tensors = reader.optimizer_entries(name)
+    info = reader.manifest.objects.get(name) or {}
+    scalars = info.get("scalar_state", {}) or {}
+    saved = {key for keys in tensors.values() for key in keys}
+    saved |= {key for keys in scalars.values() for key in (keys or {})}
+    missing = sorted(set(live_keys) - saved)
+    if saved and live_keys and missing:
+        family = info.get("family") or info.get("class") or "another optimizer"
+        reader.check_keys(
+            f"optimizer {name!r} state",
+            [],
+            [],
+            extra=f"the checkpoint ({family}) keeps {', '.join(sorted(saved))} per parameter and "
+            f"lacks {', '.join(missing)}, which this optimizer keeps: it is another optimizer's "
+            "state",
+        )
+
+
 def _decoded(value: Any, where: str) -> Any:
     try:
         return decode(value)

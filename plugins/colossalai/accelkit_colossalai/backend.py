@@ -310,6 +310,14 @@ class ColossalAIBackend(DistributedBackend):
 
         checkpoint.load_fragments(self, reader, state)
 
+    def check_load(self, reader: Any, state: dict[str, Any]) -> None:
+        """The dense check, then the boosted optimizer's saved state keys against its live ones
+        (another optimizer's checkpoint is refused)."""
+        from accelkit_colossalai import checkpoint
+
+        super().check_load(reader, state)
+        checkpoint.check_optimizer_states(self, reader, state)
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.unwrap(model).state_dict().items()}
 

@@ -54,6 +54,7 @@ from accelkit.sdk import (
     UnsupportedError,
     canonical_fqn,
     check_shape,
+    check_state_keys,
     classify_state,
     decode,
     encode,
@@ -400,6 +401,20 @@ def _piece_optimizer_fragments(
 
 
 # ---- reading ---------------------------------------------------------------------------------
+def check_optimizer_states(backend: Any, reader: Any, state: dict[str, Any]) -> None:
+    """The boosted optimizer's saved per-parameter state keys against those of its torch
+    optimizer's live state (over ZeRO's flat masters or the fp32 masters, which the dense check
+    cannot name): a checkpoint of another optimizer is refused before anything is written."""
+    layout = layout_of(backend)
+    if layout.kind in ("dense", "gathered") or layout.base is None:
+        return
+    objects, held, _ = held_objects(backend, [layout], state)
+    for name in objects.optimizers:
+        if name in held:
+            live = {key for values in layout.base.state.values() for key in values}
+            check_state_keys(reader, name, live)
+
+
 def load_fragments(backend: Any, reader: Any, state: dict[str, Any]) -> None:
     layout = layout_of(backend)
     if layout.kind == "gathered":

@@ -623,8 +623,10 @@ class DeepSpeedBackend(DistributedBackend):
 
     def check_load(self, reader: Any, state: dict[str, Any]) -> None:
         """The dense check with each ZeRO-3 parameter's full shape (``ds_shape``): its own
-        ``shape`` is the empty placeholder partitioning leaves."""
+        ``shape`` is the empty placeholder partitioning leaves; then each engine optimizer's
+        saved state keys against its live ones (another optimizer's checkpoint is refused)."""
         from accelkit.sdk import check_dense_load
+        from accelkit_deepspeed import checkpoint
 
         check_dense_load(
             self,
@@ -632,6 +634,7 @@ class DeepSpeedBackend(DistributedBackend):
             state,
             shape_of=lambda t: tuple(getattr(t, "ds_shape", None) or t.shape),
         )
+        checkpoint.check_optimizer_states(self, reader, state)
 
     def save_native(self, path: Any, state: dict[str, Any], **kwargs: Any) -> Any:
         """``accel.save(path, state, format="native")``: DeepSpeed's own ``save_checkpoint``."""

@@ -47,6 +47,7 @@ from accelkit.sdk import (
     UnsupportedError,
     agree,
     check_shape,
+    check_state_keys,
     decode,
     fill_tensor,
     group_scalar,
@@ -195,6 +196,18 @@ def _fp16_layout(layout: Layout) -> None:
 def _layouts(backend: Any) -> list[Layout]:
     """This rank's layout of every engine, in setup order (the same order on every rank)."""
     return [layout_of(backend, engine) for engine in getattr(backend, "engines", ())]
+
+
+def check_optimizer_states(backend: Any, reader: Any, state: dict[str, Any]) -> None:
+    """Each optimizer an engine holds: the saved per-parameter state keys against those of its
+    base optimizer's live state (over flat partitions, so the dense check cannot name them); a
+    checkpoint of another optimizer is refused before anything is written."""
+    objects, held, _ = held_objects(backend, _layouts(backend), state)
+    for name in objects.optimizers:
+        layout = held.get(name)
+        if layout is not None and layout.base is not None:
+            live = {key for values in layout.base.state.values() for key in values}
+            check_state_keys(reader, name, live)
 
 
 # ---- writing ---------------------------------------------------------------------------------
