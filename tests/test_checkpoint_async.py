@@ -1,6 +1,7 @@
 """``accel.save(..., asynchronous=True)``: the snapshot is what was saved while training goes
-on; the next call waits; a background error is raised there, never lost; rotation and
-``latest`` hold as for a synchronous save; 2 ranks save asynchronously and 1 rank loads."""
+on; the next call waits; a background error is raised there, never lost; 2 ranks save
+asynchronously and 1 rank loads. Rotation and ``latest`` of asynchronous saves are the store
+suite's (tests/test_store_contract.py), on every store."""
 
 from __future__ import annotations
 
@@ -68,25 +69,6 @@ def test_a_background_failure_is_raised_by_the_next_call_and_commits_nothing(tmp
     background.wait()  # the error was raised once: nothing is pending now
     accel.save(tmp_path / "step-3", {"model": model, "step": 3})
     assert (tmp_path / "latest").read_text().strip() == "step-3"
-
-
-def test_rotation_and_latest_hold_for_asynchronous_saves(tmp_path):
-    accel = accelkit.get("cpu", seed=0)
-    model, opt = _setup(accel)
-    for step in range(1, 5):
-        accel.save(
-            tmp_path / f"step-{step}",
-            {"model": model, "optimizer": opt, "step": step},
-            keep_last=2,
-            asynchronous=True,
-        )
-    accel.end_training()  # waits for the last one
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
-        "latest",
-        "step-3",
-        "step-4",
-    ]
-    assert (tmp_path / "latest").read_text().strip() == "step-4"
 
 
 def ranks_job(root: str) -> dict:
