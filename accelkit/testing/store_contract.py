@@ -54,6 +54,8 @@ __all__ = ["StoreContract", "store_contract"]
 ANOTHER_JOB = "another job writes here"
 #: runs of each racy case in a row
 RACE_RUNS = 20
+#: rank 0's file, whatever save-unique part a store puts in its name (a regular expression)
+RANK0 = r"rank-00000[\w.-]*\.safetensors"
 #: the rank side of the 2-rank cases
 _RANKS = "accelkit.testing.store_contract:ranks_load"
 #: seconds a subprocess of a case may take (2 cores shared with other work: generous)
@@ -217,8 +219,8 @@ LOAD_FAULTS: dict[str, Fault] = {
 LOAD_TARGETS = {
     "latest": (r"run/latest", 1),
     "manifest": (r"run/step-1/accelkit\.json", 1),
-    "rank-first": (r"run/step-1/rank-00000\.safetensors", 1),
-    "rank-later": (r"run/step-1/rank-00000\.safetensors", 2),
+    "rank-first": (rf"run/step-1/{RANK0}", 1),
+    "rank-later": (rf"run/step-1/{RANK0}", 2),
 }
 SAVE_FAULTS: dict[str, Fault] = {
     "reset": Reset(),
@@ -227,7 +229,7 @@ SAVE_FAULTS: dict[str, Fault] = {
     "lost": Lose(),
 }
 SAVE_TARGETS = {
-    "rank": r"run/step-2/rank-00000\.safetensors",
+    "rank": rf"run/step-2/{RANK0}",
     "manifest": r"run/step-2/accelkit\.json",
     "latest": r"run/latest",
 }
@@ -301,23 +303,20 @@ class StoreContract:
         before = _digest(state)
         accel.load(place.url("run"), state)  # the series: its latest names step-1
         assert _digest(state) == want != before and state["step"] == 1
-        assert {
-            "run/latest",
-            "run/step-1/accelkit.json",
-            "run/step-1/rank-00000.safetensors",
-        } <= set(place.keys("run"))
+        assert {"run/latest", "run/step-1/accelkit.json"} <= set(place.keys("run"))
+        assert _rank_key(place, "run/step-1")
 
     def test_flipped_byte_fails_clearly_and_changes_nothing(self, place: Place) -> None:
         import accelkit
 
         self._saved(place)
-        key = "run/step-1/rank-00000.safetensors"
+        key = _rank_key(place, "run/step-1")
         data = bytearray(place.read(key))
         data[-3] ^= 0x01
         place.write(key, bytes(data))
         accel, state = _fresh()
         before = _digest(state)
-        with pytest.raises(accelkit.CheckpointError, match=r"rank-00000\.safetensors.*checksum"):
+        with pytest.raises(accelkit.CheckpointError, match=rf"{RANK0}.*checksum"):
             accel.load(place.url("run"), state)
         assert _digest(state) == before
 
@@ -325,10 +324,10 @@ class StoreContract:
         import accelkit
 
         self._saved(place)
-        place.delete("run/step-1/rank-00000.safetensors")
+        place.delete(_rank_key(place, "run/step-1"))
         accel, state = _fresh()
         before = _digest(state)
-        with pytest.raises(accelkit.CheckpointError, match=r"rank-00000\.safetensors.*missing"):
+        with pytest.raises(accelkit.CheckpointError, match=rf"{RANK0}.*missing"):
             accel.load(place.url("run"), state)
         assert _digest(state) == before
 
@@ -397,11 +396,7 @@ class StoreContract:
         self._networked(place)
         want = self._saved(place)
         assert place.proxy is not None
-        key = (
-            "run/step-1/rank-00000\\.safetensors"
-            if op == "load"
-            else "run/step-2/rank-00000\\.safetensors"
-        )
+        key = rf"run/step-1/{RANK0}" if op == "load" else rf"run/step-2/{RANK0}"
         place.proxy.inject(
             Status(503), times=None, **place.request("read" if op == "load" else "write", key)
         )
@@ -543,13 +538,14 @@ class StoreContract:
         original, never a byte of the other."""
         self._networked(place)
         want = self._saved(place, seed=1, big=True)
-        other = _every_value_flipped(place.read("run/step-1/rank-00000.safetensors"))
+        key = _rank_key(place, "run/step-1")
+        other = _every_value_flipped(place.read(key))
         assert place.proxy is not None
         rule = place.proxy.inject(
             Status(503),  # the replacement happens before this read; the retry reads it
             nth=nth,
-            before=lambda _request: place.write("run/step-1/rank-00000.safetensors", other),
-            **place.request("read", r"run/step-1/rank-00000\.safetensors"),
+            before=lambda _request: place.write(key, other),
+            **place.request("read", rf"run/step-1/{RANK0}"),
         )
         accel, state = _fresh(big=True)
         result = _outcome(lambda: accel.load(place.url("run"), state), state)
@@ -567,9 +563,10 @@ class StoreContract:
         first)."""
         self._networked(place)
         want = self._saved(place, seed=1, big=True)
-        other = _every_value_flipped(place.read("run/step-1/rank-00000.safetensors"))
+        key = _rank_key(place, "run/step-1")
+        other = _every_value_flipped(place.read(key))
         assert place.proxy is not None
-        rank_file = place.request("read", r"run/step-1/rank-00000\.safetensors")
+        rank_file = place.request("read", rf"run/step-1/{RANK0}")
         job = {"url": place.url("run"), "want": want, "big": True}
         env = place.env()
         nth = 2
@@ -581,7 +578,7 @@ class StoreContract:
         rule = place.proxy.inject(
             Status(503),  # the replacement happens before this read; the retry reads it
             nth=nth,
-            before=lambda _request: place.write("run/step-1/rank-00000.safetensors", other),
+            before=lambda _request: place.write(key, other),
             **rank_file,
         )
         results = run_ranks(_RANKS, job, nproc=2, timeout=CHILD_TIMEOUT, env=env)
@@ -607,11 +604,20 @@ class StoreContract:
             injected,
             nth=nth,
             times=times,
-            **place.request("read", r"run/step-1/rank-00000\.safetensors"),
+            **place.request("read", rf"run/step-1/{RANK0}"),
         )
         job = {"url": place.url("run"), "want": want, "big": True}
         results = run_ranks(_RANKS, job, nproc=2, timeout=CHILD_TIMEOUT, env=place.env())
         _check_ranks(results, want, must_succeed=times is not None)
+
+
+def _rank_key(place: Place, checkpoint: str) -> str:
+    """The key of rank 0's file of ``checkpoint`` (below the place's prefix)."""
+    import re
+
+    found = [k for k in place.keys(checkpoint) if re.fullmatch(rf"{checkpoint}/{RANK0}", k)]
+    assert len(found) == 1, f"{checkpoint}: rank 0's file is not one object: {found}"
+    return found[0]
 
 
 def _every_value_flipped(rank_file: bytes) -> bytes:
