@@ -9,45 +9,29 @@ from __future__ import annotations
 
 from accelkit.testing.store_contract import store_contract
 
-TWO_WRITERS_DISK = (
-    "issue 44: two saves of one name share the temporary directory: the loser fails with "
-    "FileNotFoundError, and the committed checkpoint is missing or fails to load in 3 of 20 "
-    "runs (synchronous) and 7-18 of 20 (asynchronous)"
-)
 TestDiskStore = store_contract(
     "disk",
     xfail={
-        "two_writers_on_one_name": TWO_WRITERS_DISK,
-        "killed_between_the_manifest_and_latest": (
-            "issue 44: latest still names the step before the commit, and the next run resumes "
-            "from it"
+        "two_writers_on_one_name": (
+            "issue 44: two saves of one name on disk: one commits and loads in 20 of 20 runs, but "
+            "the loser fails with FileNotFoundError on its temporary files, not 'another job "
+            "writes here'"
         ),
     },
 )
 TestS3Store = store_contract(
     "s3",
     xfail={
-        "one_fault_during_a_load[cut-latest]": (
-            "issue 44 (6): a cut body of a small GET (latest) is not retried"
-        ),
-        "one_fault_during_a_load[cut-manifest]": (
-            "issue 44 (6): a cut body of a small GET (the manifest) is not retried"
-        ),
-        "one_fault_during_a_save[lost-manifest]": (
-            "issue 44 (4): the retried conditional manifest PUT gets 412 from its own write and "
-            "the committed save is reported as not committed"
-        ),
         "two_writers_on_one_name": (
-            "issue 44 (2): the loser's multipart completion replaces the winner's rank file: the "
-            "committed checkpoint fails its checksums in 18 of 20 runs (sync), 19 of 20 (async); "
-            "the loser's error does not say 'another job writes here'"
-        ),
-        "killed_between_the_manifest_and_latest": (
-            "issue 44 (3): the next run follows the stale latest and resumes from the step before"
+            "issue 44 (2): two saves of one name: extra.json is one name for both saves and the "
+            "loser's replaces the winner's after its commit: the committed checkpoint fails its "
+            "checksum in 15 of 20 runs (sync), 13 of 20 (async); a late loser is told 'a "
+            "committed checkpoint already', not 'another job writes here'"
         ),
         "an_object_replaced_during_a_two_rank_load_is_refused_on_every_rank[last]": (
-            "issue 44 (1): a rank's fill beyond its verified share reads the replaced object "
-            "unverified and unpinned: rank 1 loads other values, rank 0 the saved ones"
+            "issue 44 (1): a rank file replaced at the last read of a 2-rank load: the rank "
+            "that did not read it raises a plain CheckpointError with its state already "
+            "changed (not PartialLoadError)"
         ),
     },
 )

@@ -408,8 +408,8 @@ class FaultProxy:
         if fault.content_type:
             lines.append(f"Content-Type: {fault.content_type}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        request.status = fault.status  # logged before the client can read it
         client.sendall(head + (b"" if request.method == "HEAD" else fault.body))
-        request.status = fault.status
 
     def _relay(self, client: socket.socket, up_in: Any, request: Request, fault: Any) -> bool:
         """Relay the server's answer to ``request`` under ``fault``; False when the client's

@@ -141,17 +141,17 @@ def _check_load(result: dict[str, Any], want: str, must_succeed: bool) -> None:
 def child(job: dict[str, Any]) -> None:
     """A subprocess of a case (``python -c``): saves as ``job`` says and writes its results."""
     if job.get("kill_at_latest"):  # disk: die between the rename and the latest pointer
-        from accelkit.checkpoint import storage
+        from accelkit.checkpoint.store.posix import PosixStore
 
-        calls, real = [], storage.write_latest
+        calls, real = [], PosixStore.point_latest
 
-        def write_latest(path: Any) -> None:
-            calls.append(path)
+        def point_latest(self: Any, where: str) -> None:
+            calls.append(where)
             if len(calls) >= job["kill_at_latest"]:
                 os.kill(os.getpid(), signal.SIGKILL)
-            real(path)
+            real(self, where)
 
-        storage.write_latest = write_latest
+        PosixStore.point_latest = point_latest  # type: ignore[method-assign]
     out = Path(job["out"])
     for run, url in enumerate(job["urls"]):
         accel, state = _workload(job["seed"], job.get("big", False))
