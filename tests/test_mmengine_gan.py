@@ -711,26 +711,33 @@ def test_gan_on_two_processes_equals_mmseparate_ddp(tmp_path: Path) -> None:
     )
 
 
-#: how far AMP runs may be from MMEngine's on cuda; measured on an H100 (see the test's log line)
-CUDA_ATOL = {None: 0.0, "bfloat16": 0.0, "float16": 0.0}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("amp", [None, "bfloat16", "float16"])
-def test_gan_on_cuda_with_amp_per_wrapper_equals_mmengine_runner(tmp_path: Path, amp) -> None:
-    """Both wrappers ``AmpOptimWrapper(dtype=amp)`` (``tools/train.py --amp``) on one GPU:
-    MMEngine autocasts inside each wrapper's ``optim_context`` and keeps a GradScaler per
-    wrapper; accelkit autocasts each part's forward and keeps one scaler."""
+def test_gan_on_cuda_with_amp_per_wrapper_tracks_mmengine_runner(tmp_path: Path, amp) -> None:
+    """Both wrappers ``AmpOptimWrapper(dtype=amp)`` (``tools/train.py --amp``) on one GPU.
+    MMEngine autocasts the whole ``optim_context`` of each wrapper and keeps a GradScaler per
+    wrapper; accelkit autocasts each part's forward and keeps one scaler. fp32 is bit-equal;
+    under AMP accelkit must be nearer MMEngine's AMP run than MMEngine's fp32 run is (measured
+    on an H100: bf16 2.6e-4, fp16 5.6e-5; see the log line)."""
     _write_project(tmp_path)
-    kw = dict(amp=amp)
-    _run(tmp_path, "reference_driver.py", [dict(name="ref", work_dir="ref", kw=kw)])
+    specs = [dict(name="ref", work_dir="ref", kw=dict(amp=amp))]
+    if amp is not None:
+        specs.append(dict(name="ref32", work_dir="ref32"))
+    _run(tmp_path, "reference_driver.py", specs)
     _run(
         tmp_path,
         "accelkit_driver.py",
-        [dict(name="acc", work_dir="acc", accelkit=dict(backend="cuda"), kw=kw)],
+        [dict(name="acc", work_dir="acc", accelkit=dict(backend="cuda"), kw=dict(amp=amp))],
     )
     got, expected = _record(tmp_path, "acc"), _record(tmp_path, "ref")
     difference = _max_difference(got, expected)
-    print(f"cuda amp={amp}: max |accelkit - MMEngine| = {difference:.3g}")
     assert got["lr"] == expected["lr"] and got["iters"] == expected["iters"]
-    assert difference <= CUDA_ATOL[amp], difference
+    if amp is None:
+        assert difference == 0.0, difference
+        return
+    amp_effect = _max_difference(_record(tmp_path, "ref32"), expected)
+    print(
+        f"cuda amp={amp}: max |accelkit - MMEngine| = {difference:.3g}, "
+        f"MMEngine's own AMP - fp32 = {amp_effect:.3g}"
+    )
+    assert difference < amp_effect, (difference, amp_effect)
