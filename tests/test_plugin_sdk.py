@@ -16,7 +16,7 @@ import pytest
 
 import accelkit
 from accelkit import sdk
-from accelkit.testing import conformance
+from accelkit.testing import conformance, contract_runs
 
 
 class Fp32OnlyBackend(sdk.SingleDeviceBackend):
@@ -233,3 +233,47 @@ def test_fsdp_calls_on_wrapped_with_the_sharded_root():
     here = Path(__file__).parent
     (seen,) = run_ranks("plugin_sdk_workers:wrapped", nproc=1, timeout=300, path=[here])
     assert seen == {"root_is_fsdp": True, "params_sharded": True, "optimizer_holds_them": True}
+
+
+# ---- capabilities a subclass can configure; the optimizer rebuild (issue 47) ------------------
+class OnDDPOptions(sdk.DDPBackend):
+    options_class = sdk.DDPOptions  # DDP's options without fp8_*: fp8-mixed must not follow
+
+
+class OnDDPOptionsPlugin:
+    @accelkit.hookimpl
+    def accelkit_register_backends(self, registry: Any) -> None:
+        registry.add("ddp_without_fp8_options", OnDDPOptions)
+
+
+def test_a_subclass_inherits_only_the_precisions_its_options_configure():
+    assert "fp8-mixed" in sdk.DDPBackend.capabilities.precisions  # ddp has the fp8_* options
+    assert OnDDPOptions.capabilities.precisions == sdk.PRECISIONS
+    accelkit.register_plugin(OnDDPOptionsPlugin(), "ddp_without_fp8_options")
+    with pytest.raises(accelkit.ConfigError, match="does not support precision 'fp8-mixed'"):
+        accelkit.get("ddp_without_fp8_options", precision="fp8-mixed")
+    # and the suite's check of what it advertises passes it
+    assert contract_runs.precision_problems("ddp_without_fp8_options", {}) == []
+
+
+def test_optimizer_recipe_rebuilds_adamw_and_refuses_one_with_state():
+    import torch
+
+    net = torch.nn.Linear(3, 2)
+    adamw = torch.optim.AdamW(
+        [{"params": [net.weight], "lr": 0.1}, {"params": [net.bias], "weight_decay": 0.0}],
+        lr=0.01,
+        betas=(0.8, 0.9),
+    )
+    assert "decoupled_weight_decay" in adamw.defaults  # what AdamW's constructor refuses
+    recipe = sdk.optimizer_recipe("mine", adamw)
+    assert "decoupled_weight_decay" not in recipe.defaults
+    rebuilt = recipe.cls(recipe.groups, **recipe.defaults)
+    assert type(rebuilt) is torch.optim.AdamW and rebuilt.defaults == adamw.defaults
+    assert [g["lr"] for g in rebuilt.param_groups] == [0.1, 0.01]
+    recipe.groups[0]["lr"] = 1.0  # fresh dicts: the user's optimizer is left alone
+    assert adamw.param_groups[0]["lr"] == 0.1
+    net(torch.randn(4, 3)).sum().backward()
+    adamw.step()
+    with pytest.raises(accelkit.ConfigError, match="mine: the optimizer already has state"):
+        sdk.optimizer_recipe("mine", adamw)
