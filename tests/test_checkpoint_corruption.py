@@ -1,5 +1,5 @@
 """A failed load changes nothing: 60+ damaged or crafted checkpoints on ``cpu`` and on ``ddp``
-(2 processes). For every case the load must raise ``CheckpointError`` naming the file and the
+(2 processes), and (slow tier) the same checkpoints loaded from S3. For every case the load must raise ``CheckpointError`` naming the file and the
 tensor or field, and leave model, optimizer, scheduler, loader position, extras and RNG bit for
 bit as they were; the good checkpoint (the control) must load and change them."""
 
@@ -114,3 +114,32 @@ def test_a_flipped_byte_in_the_format_1_0_checkpoint_is_still_caught(tmp_path):
     accel = accelkit.get("cpu", seed=0)
     with pytest.raises(accelkit.CheckpointError, match="sha256"):
         accel.load(damaged, {"model": accel.setup(model)})
+
+
+@pytest.mark.slow
+def test_every_failed_load_on_s3_changes_nothing_and_names_the_problem(s3, tmp_path):
+    """The same damaged checkpoints, each uploaded to the S3 server as it lies on disk (boto3,
+    the reference side) and loaded from there. A case whose damage is a symbolic link (a disk
+    thing: an object store has no links) is left out."""
+    from corruption_cases import build
+
+    accel = accelkit.get("cpu", seed=0)
+    good = tmp_path / "good"
+    accel.save(good, build(accel, seed=1, steps=5))
+    client = s3.client()
+    results = {}
+    for name, (directory, words) in {
+        **make_cases(good, tmp_path / "cases"),
+        "good": (str(good), []),
+    }.items():
+        files = [p for p in Path(directory).rglob("*") if not p.is_dir()]
+        if any(p.is_symlink() for p in files):
+            continue
+        prefix = f"{s3.prefix}/{Path(directory).name}"
+        for path in files:
+            if not path.name.startswith("."):
+                key = f"{prefix}/{path.relative_to(directory)}"
+                client.put_object(Bucket=s3.bucket, Key=key, Body=path.read_bytes())
+        results[name] = run_case(accel, s3.url(Path(directory).name), words, seed=2)
+    assert len(results) >= MIN_CASES
+    _check(results, "s3")
