@@ -52,6 +52,8 @@ __all__ = ["StoreContract", "store_contract"]
 
 #: the phrase a losing writer's error must hold (docs/checkpoint.md, "Object storage")
 ANOTHER_JOB = "another job writes here"
+#: a stall longer than every store's read timeout (60 s)
+STALL_PAST_TIMEOUT_S = 150.0
 #: runs of each racy case in a row
 RACE_RUNS = 20
 #: rank 0's file, whatever save-unique part a store puts in its name (a regular expression)
@@ -385,6 +387,25 @@ class StoreContract:
         accel, fresh = _fresh()
         accel.load(place.url("run"), fresh)
         assert fresh["step"] == 3
+
+    @pytest.mark.slow
+    def test_a_stall_past_the_read_timeout_is_retried(self, place: Place) -> None:
+        """The manifest's GET answers nothing for :data:`STALL_PAST_TIMEOUT_S` (longer than
+        any store's read timeout, 60 s): the client gives up on it and asks again; the load
+        succeeds, never hangs."""
+        self._networked(place)
+        want = self._saved(place)
+        assert place.proxy is not None
+        rule = place.proxy.inject(
+            Stall(seconds=STALL_PAST_TIMEOUT_S, lose=True),
+            **place.request("read", r"run/step-1/accelkit\.json"),
+        )
+        accel, state = _fresh()
+        started = time.monotonic()
+        result = _outcome(lambda: accel.load(place.url("run"), state), state)
+        assert rule.fired == 1
+        _check_load(result, want, must_succeed=True)
+        assert time.monotonic() - started < STALL_PAST_TIMEOUT_S, "the client waited out the stall"
 
     @pytest.mark.slow
     @pytest.mark.parametrize("op", ["load", "save"])
