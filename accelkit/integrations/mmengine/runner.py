@@ -34,7 +34,8 @@ from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
 from accelkit.integrations.mmengine.hooks import AccelkitCheckpointHook, use_safe_rotation
 from accelkit.integrations.mmengine.model_wrapper import AccelkitModelWrapper
-from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper, adopt_built
+from accelkit.integrations.mmengine.optim_wrapper import AccelkitOptimWrapper
+from accelkit.integrations.mmengine.several_optimizers import adopt_built
 
 
 def _wrappers(optim_wrapper: Any) -> list[Any]:

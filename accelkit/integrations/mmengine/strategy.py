@@ -25,7 +25,7 @@ from mmengine.utils import get_git_hash
 
 from accelkit.integrations.mmengine._bridge import Bridge, join_process_group
 from accelkit.integrations.mmengine._settings import AdapterOptions, read_optim_wrapper_cfg
-from accelkit.integrations.mmengine.optim_wrapper import adopt_built
+from accelkit.integrations.mmengine.several_optimizers import adopt_built
 
 _BASE_KEYS = ("work_dir", "experiment_name", "env_kwargs", "log_kwargs", "auto_scale_lr")
 
