@@ -290,7 +290,9 @@ def _load_from(
     profile: profiling.SaveProfile | None = None,
 ) -> dict[str, Any]:
     """Validate everything (no live object is touched), agree across ranks, then commit."""
-    same_source.check_same_checkpoint(reader.manifest, reader.directory)
+    same_source.check_same_checkpoint(
+        reader.manifest, reader.directory, getattr(reader, "versions", None)
+    )
     profile = profile or profiling.SaveProfile()
     error: BaseException | None = None
     try:

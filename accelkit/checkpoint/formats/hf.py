@@ -114,12 +114,12 @@ def find_config(reader: CheckpointReader, obj: str) -> str | None:
     source = info.get("pretrained_from")
     if not isinstance(source, str):
         return None
-    from accelkit.checkpoint.store import scheme_of, store_for
+    from accelkit.checkpoint.store import store_for
     from accelkit.errors import CheckpointError
 
-    if scheme_of(source):  # weights loaded from object storage: its config.json, if it has one
+    store = store_for(source)
+    if store.local_directory(source) is None:  # object storage: its config.json, if it has one
         try:
-            store = store_for(source)
             where = store.where(source)
             return store.bucket(where).get(where.child("config.json").key)[0].decode()
         except (CheckpointError, AttributeError, UnicodeDecodeError):

@@ -182,36 +182,31 @@ class _PartialCopy:
         )
 
     def ensure(self, offset: int, nbytes: int) -> None:
-        """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns, and every
-        fragment they touch was hashed (here, now, unless this rank's share checked it):
-        the whole of each is fetched."""
+        """Bytes ``[offset, offset + nbytes)`` are in the copy when this returns: fetched from
+        the version every rank verified its share of, and each whole fragment among them that
+        this rank did not check itself hashed here first (a range of a fragment, a resharding
+        fill's, rests on that version: its hash covers the whole fragment)."""
         end = min(self.size, offset + nbytes)
-        touched = self._touched(offset, end)
-        if touched:
-            offset = min(offset, touched[0][0])
-            end = max(end, touched[-1][0] + touched[-1][1])
         parts = self.parts(self.missing(offset, end))
         if parts:  # on the pool's threads, whose part buffers go when the load ends
             _wait([self.pool.submit(self.get, *p) for p in parts])
-        for start, length, entry, index in touched:
-            if start in self.checked:
-                continue
+        for start, length, entry, index in self._inside(offset, end):
             with self.view[start : start + length] as view:
                 self.check(entry, index, view)
             with self._lock:
                 self.checked.add(start)
 
-    def _touched(self, start: int, end: int) -> list[tuple[int, int, Any, int]]:
-        """The fragments that overlap ``[start, end)`` and were not checked yet."""
+    def _inside(self, start: int, end: int) -> list[tuple[int, int, Any, int]]:
+        """The fragments wholly inside ``[start, end)`` not checked yet."""
         if self.check is None:
             return []
         spans = self.spans
-        i = max(0, bisect.bisect_right(spans, start, key=lambda s: s[0]) - 1)
+        i = bisect.bisect_left(spans, start, key=lambda s: s[0])
         out = []
         for span in spans[i:]:
-            if span[0] >= end:
+            if span[0] + span[1] > end:
                 break
-            if span[0] + span[1] > start and span[0] not in self.checked:
+            if span[0] not in self.checked:
                 out.append(span)
         return out
 
@@ -435,6 +430,9 @@ def opened(
                     futures = fetch(_share_ranges(spans))
                 _wait([future for parts in futures.values() for future in parts])
                 reader.prechecked = prechecks.result
+                #: the versions read, compared across the ranks before any fill
+                #: (:func:`~accelkit.checkpoint.read.same_source.check_same_checkpoint`)
+                reader.versions = {n: str(getattr(f, "version", "")) for n, f in files.items()}
                 if verify:  # what the fill reads beyond this rank's share is hashed first
                     check = _checker(reader)
                     mine = {(s[0], s[1]) for s in spans}

@@ -45,17 +45,30 @@ def manifest_digest(manifest: Any) -> str | None:
     return digest if isinstance(digest, str) else None
 
 
-def check_same_checkpoint(manifest: Any, where: Any) -> None:
+def check_same_checkpoint(
+    manifest: Any, where: Any, versions: dict[str, str] | None = None
+) -> None:
     """Refuse, on every rank alike, a load where the ranks read different checkpoints at
-    ``where`` (node-local disks). One all-gather of a short string; collective."""
+    ``where`` (node-local disks), or, in object storage, other versions of its files (an
+    object replaced between two ranks' listings: each rank verified its share of another).
+    One all-gather of a short string; collective."""
     digest = manifest_digest(manifest)
     if digest is None or not distributed._multi():
         return
-    seen = distributed.all_gather_object((_TAG, digest))
+    import hashlib
+
+    listed = hashlib.sha256(repr(sorted((versions or {}).items())).encode()).hexdigest()
+    seen = distributed.all_gather_object((_TAG, digest, listed))
     reference = seen[0]
     for rank, entry in enumerate(seen):
         if entry == reference:
             continue
+        if isinstance(entry, tuple) and entry[:2] == reference[:2]:
+            problem = (
+                f"rank {rank} read other versions of its rank files than rank 0: an object "
+                "was replaced during the load; nothing was loaded. Load again"
+            )
+            distributed.raise_agreed(CheckpointError(f"loading {where}: {problem}."))
         if isinstance(entry, tuple) and entry[:1] == (_TAG,):
             problem = (
                 f"rank {rank} reads a different checkpoint at this path than rank 0 (manifest "
@@ -86,10 +99,10 @@ def check_shared_directory(directory: str | os.PathLike, what: str = "auto_resum
     """Check, before the first step, that every rank sees ``directory`` as rank 0 does: rank 0
     writes a marker with a fresh token there and every rank reads it back. Object storage
     (``s3://``) is shared by nature; one process has nothing to check. Collective."""
-    from accelkit.checkpoint.store import scheme_of
+    from accelkit.checkpoint.store import store_for
 
-    if scheme_of(directory) or not distributed._multi():
-        return
+    if not distributed._multi() or store_for(directory).local_directory(str(directory)) is None:
+        return  # object storage: every rank reaches the same objects
     import torch.distributed as dist
 
     rank = dist.get_rank()

@@ -220,12 +220,17 @@ class BucketStore:
         found = {o.key[len(parent.prefix) :].split("/", 1)[0] for o in bucket.list(parent.prefix)}
         return sorted(n for n in found if n)
 
-    def resolve(self, where: str) -> str:
+    def _named(self, where: str) -> tuple[Bucket, ObjectLocation, ObjectLocation | None, str]:
+        """``where``'s bucket and location, the checkpoint it names (itself, else ``latest``'s,
+        followed past) or None, and why ``latest`` was refused, if it was."""
         loc = self.where(where)
         bucket = self.bucket(loc)
         if self._has_manifest(bucket, loc):
-            return str(loc)
-        target, refused = self._pointer_target(bucket, loc)
+            return bucket, loc, loc, ""
+        return bucket, loc, *self._pointer_target(bucket, loc)
+
+    def resolve(self, where: str) -> str:
+        bucket, loc, target, refused = self._named(where)
         if target is not None:
             return str(target)
         if refused:
@@ -244,7 +249,13 @@ class BucketStore:
         """The committed checkpoints right below ``parent`` (of one name ``pattern``), each with
         its order key (the recorded step, then the name; never a clock)."""
         found = []
-        for name in self._dirs(bucket, parent):
+        committed = {  # one listing: no request per name a rotation emptied
+            o.key[len(parent.prefix) : -len(MANIFEST_NAME) - 1]
+            for o in bucket.list(parent.prefix)
+            if o.key.endswith(f"/{MANIFEST_NAME}")
+            and o.key.count("/") == parent.prefix.count("/") + 1
+        }
+        for name in sorted(committed):
             if name.startswith(".") or (pattern and names.rotation_pattern(name) != pattern):
                 continue
             child = parent.child(name)
@@ -257,11 +268,7 @@ class BucketStore:
         return found
 
     def newest(self, where: str) -> str | None:
-        loc = self.where(where)
-        bucket = self.bucket(loc)
-        if self._has_manifest(bucket, loc):
-            return str(loc)
-        target, refused = self._pointer_target(bucket, loc)
+        bucket, loc, target, refused = self._named(where)
         if target is not None:
             return str(target)
         if refused:
@@ -349,8 +356,9 @@ class BucketStore:
             if present.get(name) != size:
                 raise CheckpointError(
                     f"{loc.child(name)}: expected {size} bytes, the store has "
-                    f"{present.get(name, 'none')}. Another job writes here ({loc}), or removed "
-                    "this save's files; nothing was committed. Give each job its own location."
+                    f"{present.get(name, 'none')}: another job writes here ({loc}) and removed "
+                    "this save's files, or they were deleted; nothing was committed. Give each "
+                    "job its own location."
                 )
         key = loc.child(MANIFEST_NAME).key
         try:
@@ -362,6 +370,10 @@ class BucketStore:
                 theirs = b""
             if theirs == manifest:  # a retry found its own write: the answer was lost
                 return
+            try:  # the loser's files (named for this save alone) go; the winner's stay
+                bucket.delete([loc.child(n).key for n in files])
+            except CheckpointError as cleanup:
+                log.warning("could not remove this save's files under %s: %s", loc, cleanup)
             raise CheckpointError(
                 f"{loc}: another job writes here, and committed this checkpoint first (its "
                 f"{MANIFEST_NAME} appeared during this save); this save was not committed. Give "

@@ -20,7 +20,10 @@ import re
 import shutil
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from accelkit.checkpoint.format.manifest import EXTRA_NAME, MANIFEST_NAME
 from accelkit.checkpoint.store.names import (
@@ -172,9 +175,9 @@ def commit(path: Path, save_id: str = "") -> None:
     if not (tmp / MARKER_NAME).is_file():
         _release(tmp)
         raise CheckpointError(
-            f"saving {path}: its temporary directory {tmp} is gone. Another job writes here "
-            "(its save removed this one's); nothing was committed. Give each job its own "
-            "location."
+            f"saving {path}: its temporary directory {tmp} is gone: another job writes here "
+            "(its save of the same name removed this one's); nothing was committed. Give each "
+            "job its own location."
         )
     (tmp / MARKER_NAME).unlink(missing_ok=True)
     fsync_dir(tmp)
@@ -447,10 +450,23 @@ class PosixStore:
     def rank_file_name(self, rank: int, save_id: str) -> str:
         return f"rank-{rank:05d}.safetensors"  # the temporary sibling is the save's own
 
-    def open_rank_file(self, where: str, save_id: str, name: str, *, asynchronous: bool, profile):
-        from contextlib import nullcontext
-
-        return nullcontext(_Target(temp_dir(Path(where), save_id) / name))
+    @contextmanager
+    def open_rank_file(
+        self, where: str, save_id: str, name: str, *, asynchronous: bool, profile: Any
+    ) -> Iterator[_Target]:
+        """The file in the save's own temporary sibling; where that is gone when the writing
+        fails (another job's save of the name swept it), the error says so."""
+        tmp = temp_dir(Path(where), save_id)
+        try:
+            yield _Target(tmp / name)
+        except OSError as err:
+            if (tmp / MARKER_NAME).is_file():
+                raise
+            raise CheckpointError(
+                f"saving {where}: its temporary directory {tmp} was removed while this rank "
+                "wrote its file. Another job writes here (its save of the same name removed "
+                "this one's); nothing was committed. Give each job its own location."
+            ) from err
 
     def commit(
         self,

@@ -82,6 +82,24 @@ def part_bytes(size: int) -> int:
     return max(PART_BYTES, -(-least // (1 << 20)) << 20)
 
 
+def _receive(body: Any, view: memoryview, done: int) -> int:
+    """Read ``body`` into ``view`` from ``done`` until it ends, is cut or fails; the bytes now
+    in. Each slice is released at once, even on an error: one a traceback kept would pin the
+    load's mapped copy (a BufferError at its close)."""
+    try:
+        while done < view.nbytes:
+            with view[done:] as part:
+                n = body.readinto(part)
+            if not n:
+                break
+            done += n
+    except Exception as err:
+        log.debug("a response body ended after %d bytes: %s", done, err)
+    finally:
+        body.close()
+    return done
+
+
 class S3Bucket:
     """One bucket of an S3-compatible store: the few operations a checkpoint needs (a
     :class:`~accelkit.checkpoint.store.base.Bucket`)."""
@@ -194,27 +212,17 @@ class S3Bucket:
             raise error from err
 
     def get(self, key: str) -> tuple[bytes, str]:
-        """The whole object and its ETag; a body cut mid-way is asked for again, as a failed
-        request is."""
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)
-            try:
-                data = reply["Body"].read()
-            except Exception as err:
-                if attempt == MAX_ATTEMPTS:
-                    raise self._error(err, key, "reading") from err
-                time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
-                continue
-            expected = reply.get("ContentLength")
-            if expected is None or len(data) == expected:
-                return data, reply.get("ETag", "")
-            if attempt == MAX_ATTEMPTS:
-                raise CheckpointError(
-                    f"reading s3://{self.bucket}/{key}: {len(data)} of {expected} bytes after "
-                    f"{MAX_ATTEMPTS} attempts"
-                )
-            time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+        """The whole object and its ETag. A body cut mid-way is finished by ranged GETs pinned
+        to that ETag, retried as a large object's parts are (:meth:`read_into`)."""
+        reply = self._call("reading", key, self.client.get_object, Bucket=self.bucket, Key=key)
+        size, version = reply["ContentLength"], reply.get("ETag", "")
+        data = bytearray(size)
+        with memoryview(data) as view:
+            done = _receive(reply["Body"], view, 0)
+            if done < size:
+                with view[done:] as rest:
+                    self.read_into(key, rest, done, version or None)
+        return bytes(data), version
 
     def read_into(
         self, key: str, view: memoryview, offset: int, version: str | None = None
@@ -222,11 +230,12 @@ class S3Bucket:
         """Fill ``view`` with the object's bytes from ``offset`` (one ranged GET; pinned to
         ``version``, an ETag, with ``If-Match``). A short or broken body is asked for again, up
         to :data:`MAX_ATTEMPTS` times; the bytes already in are kept."""
-        if not view.nbytes:
-            return
         done = 0
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            rng = f"bytes={offset + done}-{offset + view.nbytes - 1}"
+            if done == view.nbytes:
+                return
+            if attempt > 1:
+                time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 2))
             pinned = {"IfMatch": version} if version else {}
             try:
                 reply = self._call(
@@ -235,7 +244,7 @@ class S3Bucket:
                     self.client.get_object,
                     Bucket=self.bucket,
                     Key=key,
-                    Range=rng,
+                    Range=f"bytes={offset + done}-{offset + view.nbytes - 1}",
                     **pinned,
                 )
             except ObjectExists as err:  # 412: If-Match failed
@@ -243,30 +252,13 @@ class S3Bucket:
                     f"reading s3://{self.bucket}/{key}: the object was replaced during the load "
                     f"(it is no longer the version {version} the load checked); load again"
                 ) from err
-            body = reply["Body"]
-            try:
-                while done < view.nbytes:
-                    # released at once, even on an error: a slice a traceback kept would pin
-                    # the load's mapped copy (BufferError at its close)
-                    with view[done:] as part:
-                        n = body.readinto(part)
-                    if not n:
-                        break
-                    done += n
-            except Exception as err:
-                if attempt == MAX_ATTEMPTS:
-                    raise self._error(err, key, "reading") from None
-            finally:
-                body.close()
-            if done == view.nbytes:
-                return
-            if attempt == MAX_ATTEMPTS:
-                raise CheckpointError(
-                    f"reading s3://{self.bucket}/{key}: {done} of {view.nbytes} bytes at "
-                    f"offset {offset} after {MAX_ATTEMPTS} attempts (the object is shorter than "
-                    "expected, or the network keeps cutting the answer)"
-                )
-            time.sleep(RETRY_PAUSE_S * 2 ** (attempt - 1))
+            done = _receive(reply["Body"], view, done)
+        if done < view.nbytes:
+            raise CheckpointError(
+                f"reading s3://{self.bucket}/{key}: {done} of {view.nbytes} bytes at offset "
+                f"{offset} after {MAX_ATTEMPTS} attempts (the object is shorter than expected, "
+                "or the network keeps cutting the answer)"
+            )
 
     def download(self, key: str, dest: Path, size: int, pool: ThreadPoolExecutor) -> None:
         """The whole object into the local file ``dest``, by parallel ranged GETs."""
