@@ -128,7 +128,10 @@ class _S3Place:
         ):
             found += [o["Key"][len(self.prefix) + 1 :] for o in page.get("Contents", [])]
         if not saves:
-            found = [re.sub(r"(rank-\d+)\.[0-9a-f]{12}(\.safetensors)$", r"\1\2", k) for k in found]
+            found = [
+                re.sub(r"(rank-\d+|extra)\.[0-9a-f]{12}(\.safetensors|\.json)$", r"\1\2", k)
+                for k in found
+            ]
         return sorted(found)
 
     def rank_key(self, checkpoint: str, rank: int = 0) -> str:

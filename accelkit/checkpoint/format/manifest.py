@@ -22,6 +22,18 @@ FORMAT = "accelkit.checkpoint"
 FORMAT_VERSION = "1.1"  # 1.1: fragments may carry xxh3_128 instead of sha256
 MANIFEST_NAME = "accelkit.json"
 EXTRA_NAME = "extra.json"
+#: ``extra.json`` under a name of one save's own (``extra.<save>.json``), where saves of one name
+#: may meet (object storage)
+_EXTRA_OF_A_SAVE = re.compile(r"extra\.[0-9a-f]{12}\.json")
+
+
+def extras_file(files: dict[str, Any]) -> str | None:
+    """The name of the extras file among a manifest's ``files``, or None."""
+    if EXTRA_NAME in files:
+        return EXTRA_NAME
+    return next((n for n in files if _EXTRA_OF_A_SAVE.fullmatch(str(n))), None)
+
+
 #: reserved object names (user state keys may not start with "__")
 EXTRA_OBJECT = "__extra__"
 RNG_OBJECT = "__rng__"

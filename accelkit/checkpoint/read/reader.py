@@ -39,13 +39,13 @@ from accelkit.checkpoint.format.codec import decode
 from accelkit.checkpoint.format.digest import digest as digest_of
 from accelkit.checkpoint.format.digest import hasher as new_hasher
 from accelkit.checkpoint.format.manifest import (
-    EXTRA_NAME,
     EXTRA_OBJECT,
     MANIFEST_NAME,
     RNG_OBJECT,
     FragmentRecord,
     Manifest,
     TensorEntry,
+    extras_file,
 )
 from accelkit.checkpoint.format.safetensors_io import (
     DTYPE_TO_ST,
@@ -724,10 +724,10 @@ class CheckpointReader:
 
     def extras(self) -> dict[str, Any]:
         """The user's extras from ``extra.json`` (tensors read from the rank files)."""
-        path = self.directory / EXTRA_NAME
-        info = self.manifest.files.get(EXTRA_NAME)
-        if info is None:
+        name = extras_file(self.manifest.files)
+        if name is None:
             return {}
+        path, info = self.directory / name, self.manifest.files[name]
         try:
             raw = path.read_bytes()
         except OSError as err:
@@ -792,7 +792,7 @@ class CheckpointReader:
                 if not future.cancel():
                     future.exception()
             self._close_files(keep=already_open)
-        if EXTRA_NAME in self.manifest.files:
+        if extras_file(self.manifest.files) is not None:
             try:
                 self.extras()
             except CheckpointError as err:

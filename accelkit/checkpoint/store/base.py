@@ -141,6 +141,10 @@ class Store(Protocol):
         """The name of ``rank``'s file in the save ``save_id`` (the manifest records it)."""
         ...
 
+    def extras_name(self, save_id: str) -> str:
+        """The name of ``extra.json`` in the save ``save_id`` (the manifest records it)."""
+        ...
+
     def open_rank_file(
         self, where: str, save_id: str, name: str, *, asynchronous: bool, profile: Any
     ) -> AbstractContextManager[RankFileTarget]:

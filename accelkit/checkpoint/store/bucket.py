@@ -316,6 +316,9 @@ class BucketStore:
     def rank_file_name(self, rank: int, save_id: str) -> str:
         return f"rank-{rank:05d}.{save_id}.safetensors"
 
+    def extras_name(self, save_id: str) -> str:
+        return f"extra.{save_id}.json" if save_id else EXTRA_NAME
+
     @contextmanager
     def open_rank_file(
         self, where: str, save_id: str, name: str, *, asynchronous: bool, profile: Any
@@ -350,7 +353,7 @@ class BucketStore:
         loc = self.where(where)
         bucket = self.bucket(loc)
         if extras is not None:
-            bucket.put(loc.child(EXTRA_NAME).key, extras)
+            bucket.put(loc.child(self.extras_name(save_id)).key, extras)
         present = {o.key[len(loc.prefix) :]: o.size for o in bucket.list(loc.prefix)}
         for name, size in files.items():
             if present.get(name) != size:
@@ -371,7 +374,8 @@ class BucketStore:
             if theirs == manifest:  # a retry found its own write: the answer was lost
                 return
             try:  # the loser's files (named for this save alone) go; the winner's stay
-                bucket.delete([loc.child(n).key for n in files])
+                own = [*files, *([self.extras_name(save_id)] if extras is not None else [])]
+                bucket.delete([loc.child(n).key for n in own])
             except CheckpointError as cleanup:
                 log.warning("could not remove this save's files under %s: %s", loc, cleanup)
             raise CheckpointError(
@@ -415,7 +419,7 @@ class BucketStore:
             if rest:
                 by_name.setdefault(head, []).append(obj)
         raw, _ = bucket.get(loc.child(MANIFEST_NAME).key)
-        listed = {MANIFEST_NAME, EXTRA_NAME, *json.loads(raw).get("files", {})}
+        listed = {MANIFEST_NAME, *json.loads(raw).get("files", {})}
         removed: list[str] = []
         stray = [o.key for o in by_name.get(loc.name, []) if o.key[len(loc.prefix) :] not in listed]
         if stray:

@@ -37,6 +37,8 @@ from accelkit.errors import CheckpointError
 log = logging.getLogger("accelkit")
 
 MARKER_NAME = ".accelkit-shared-check"
+#: in a save's temporary sibling: which checkpoint it may replace (see :func:`_identity`)
+REPLACES_NAME = ".accelkit-replaces"
 TMP_SUFFIX = ".accelkit-tmp"
 TRASH_SUFFIX = ".accelkit-trash"
 
@@ -146,8 +148,25 @@ def prepare(path: Path, save_id: str = "") -> str:
         shutil.rmtree(tmp)
     tmp.mkdir()
     token = save_id or uuid.uuid4().hex
-    (tmp / MARKER_NAME).write_text(token)
+    try:
+        (tmp / MARKER_NAME).write_text(token)
+        (tmp / REPLACES_NAME).write_text(_identity(path))
+    except FileNotFoundError as err:  # swept by another job's save of this name, just now
+        raise CheckpointError(
+            f"saving {path}: another job writes here (its save of the same name removed "
+            f"{tmp} as it was made); nothing was committed. Give each job its own location."
+        ) from err
     return token
+
+
+def _identity(path: Path) -> str:
+    """Which committed checkpoint ``path`` holds now (its manifest's inode, time and size), or
+    ``none``: a save replaces only the one it saw when it began."""
+    try:
+        st = (path / MANIFEST_NAME).stat()
+    except OSError:
+        return "none"
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
 def sees_marker(path: Path, token: str, save_id: str = "") -> bool:
@@ -179,6 +198,17 @@ def commit(path: Path, save_id: str = "") -> None:
             "(its save of the same name removed this one's); nothing was committed. Give each "
             "job its own location."
         )
+    try:
+        seen = (tmp / REPLACES_NAME).read_text()
+    except OSError:
+        seen = _identity(path)
+    if seen != _identity(path):
+        _release(tmp)
+        raise CheckpointError(
+            f"saving {path}: another job writes here: it committed {path} while this save was "
+            "writing; this save was not committed. Give each job its own location."
+        )
+    (tmp / REPLACES_NAME).unlink(missing_ok=True)
     (tmp / MARKER_NAME).unlink(missing_ok=True)
     fsync_dir(tmp)
     try:
@@ -450,6 +480,9 @@ class PosixStore:
     def rank_file_name(self, rank: int, save_id: str) -> str:
         return f"rank-{rank:05d}.safetensors"  # the temporary sibling is the save's own
 
+    def extras_name(self, save_id: str) -> str:
+        return EXTRA_NAME
+
     @contextmanager
     def open_rank_file(
         self, where: str, save_id: str, name: str, *, asynchronous: bool, profile: Any
@@ -464,7 +497,7 @@ class PosixStore:
                 raise
             raise CheckpointError(
                 f"saving {where}: its temporary directory {tmp} was removed while this rank "
-                "wrote its file. Another job writes here (its save of the same name removed "
+                "wrote its file: another job writes here (its save of the same name removed "
                 "this one's); nothing was committed. Give each job its own location."
             ) from err
 
@@ -485,7 +518,7 @@ class PosixStore:
                 found = None
             if found != size:
                 raise CheckpointError(
-                    f"{tmp / name}: expected {size} bytes, found {found}. Another job writes "
+                    f"{tmp / name}: expected {size} bytes, found {found}: another job writes "
                     f"here ({path}), or removed this save's files; nothing was committed."
                 )
         if extras is not None:

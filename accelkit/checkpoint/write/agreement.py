@@ -36,7 +36,7 @@ from typing import Any
 
 from accelkit import distributed
 from accelkit.checkpoint.read import same_source
-from accelkit.errors import CheckpointError
+from accelkit.errors import CheckpointError, PartialLoadError
 
 #: ``ACCELKIT_COMMIT_TIMEOUT_S``'s default: far below the training group's 1800 s
 DEFAULT_TIMEOUT_S = 300.0
@@ -262,7 +262,10 @@ def agree(error: BaseException | None, what: str, group: Any = None) -> None:
         error.agreed = True  # type: ignore[attr-defined]
         raise error
     detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
-    agreed = CheckpointError(f"{what} failed: {detail}")
+    # a load that failed on one rank after it began writing leaves the job's state a mix on
+    # every rank (the others' fills went on): every rank says so
+    partial = any(m.startswith(f"{PartialLoadError.__name__}:") for _, m in failed)
+    agreed = (PartialLoadError if partial else CheckpointError)(f"{what} failed: {detail}")
     agreed.agreed = True  # type: ignore[attr-defined]
     raise agreed from error
 

@@ -36,7 +36,6 @@ from accelkit.checkpoint.format.digest import DEFAULT as DEFAULT_CHECKSUM
 from accelkit.checkpoint.format.digest import check_algorithm
 from accelkit.checkpoint.format.manifest import (
     BACKEND_OBJECT,
-    EXTRA_NAME,
     EXTRA_OBJECT,
     FORMAT,
     FORMAT_VERSION,
@@ -494,7 +493,7 @@ def finalize(
     raw = None
     if extras:
         raw = (json.dumps({"extras": extras}, indent=1, allow_nan=False) + "\n").encode()
-        manifest.data["files"][EXTRA_NAME] = {
+        manifest.data["files"][store.extras_name(save_id)] = {
             "bytes": len(raw),
             "sha256": hashlib.sha256(raw).hexdigest(),
         }
@@ -503,7 +502,8 @@ def finalize(
     except CheckpointError as err:
         who = writer or manifest.data.get("writer", {}).get("backend", "?")
         raise CheckpointError(f"backend {who!r} wrote an inconsistent checkpoint: {err}") from err
-    files = {n: i["bytes"] for n, i in manifest.data["files"].items() if n != EXTRA_NAME}
+    extras_name = store.extras_name(save_id)
+    files = {n: i["bytes"] for n, i in manifest.data["files"].items() if n != extras_name}
     store.commit(where, save_id, manifest.to_json_text().encode(), files, raw)
     after = []
     if latest:
