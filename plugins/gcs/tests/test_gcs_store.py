@@ -17,20 +17,7 @@ from accelkit.testing.store_contract import store_contract
 
 PACKAGE = Path(__file__).resolve().parents[1] / "accelkit_gcs"
 
-TestGCSStore = store_contract(
-    "gs",
-    xfail={
-        "two_writers_on_one_name": (
-            "issue 44 (2): two saves of one name: extra.json is one name for both saves, and the "
-            "loser's replaces the winner's after its commit: the committed checkpoint fails its "
-            "checksums in 15-17 of 20 runs"
-        ),
-        "an_object_replaced_during_a_two_rank_load_is_refused_on_every_rank[last]": (
-            "issue 44 (1): the pinned read refuses the replaced object (rank 0: PartialLoadError), "
-            "but rank 1, whose state was written too, raises a plain CheckpointError"
-        ),
-    },
-)
+TestGCSStore = store_contract("gs")
 
 
 @pytest.fixture(scope="module")
