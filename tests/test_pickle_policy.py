@@ -1,7 +1,7 @@
 """One unpickling policy for every importer (issue 35).
 
 * Nothing in accelkit or its plugins unpickles except through the restricted unpickler
-  (accelkit/checkpoint/unpickle.py): no ``torch.load``, ``pickle.load(s)``, ``Unpickler`` or
+  (accelkit/checkpoint/formats/unpickle.py): no ``torch.load``, ``pickle.load(s)``, ``Unpickler`` or
   ``weights_only=False`` anywhere else. The DeepSpeed and ColossalAI importers' old
   ``torch.load(weights_only=False)`` fails this test.
 * A list may let tensors carry named Python attributes (DeepSpeed's ``ds_id``): torch writes
@@ -34,7 +34,7 @@ from accelkit.testing.pickle_gadgets import Call, gadgets
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the one module that unpickles
-UNPICKLER = ROOT / "accelkit" / "checkpoint" / "unpickle.py"
+UNPICKLER = ROOT / "accelkit" / "checkpoint" / "formats" / "unpickle.py"
 REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
 #: calls that unpickle: (the name called on, the attribute)
 UNPICKLING_CALLS = {

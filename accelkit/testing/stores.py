@@ -56,6 +56,9 @@ class Place:
     kind = "?"
     #: whether requests pass through :attr:`proxy` (False: the network cases are skipped)
     networked = True
+    #: whether a save onto a committed name replaces it (disk swaps the directory); an object
+    #: store refuses a committed name, so of two saves of one name only one ever commits
+    replaces_committed = False
 
     def __init__(self, name: str) -> None:
         self.prefix = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)[:60]}-{uuid.uuid4().hex[:8]}"
@@ -94,6 +97,7 @@ class Place:
 
 class DiskPlace(Place):
     kind = "disk"
+    replaces_committed = True
     networked = False
 
     def __init__(self, name: str, root: Path) -> None:

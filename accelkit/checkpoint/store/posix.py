@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import os
 import re
@@ -83,6 +84,28 @@ def _claimed(temporary: Path) -> bool:
         return temporary.absolute() in _in_progress
 
 
+@contextmanager
+def _series_lock(parent: Path) -> Iterator[None]:
+    """Hold the parent folder's lock: a commit's check of what it replaces and its rename, and
+    another job's sweep of the temporary siblings, then never interleave (two jobs saving one
+    name were both told they committed when one's check and rename straddled the other's).
+    An advisory flock on the folder itself, so nothing is left beside the checkpoints; where
+    the filesystem has no flock the commit goes on unlocked, as before."""
+    try:
+        fd = os.open(parent, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
+
+
 def sweep(path: Path) -> list[Path]:
     """Remove what killed saves left next to ``path``; return what was removed.
 
@@ -92,7 +115,14 @@ def sweep(path: Path) -> list[Path]:
     parent = path.parent
     if not parent.is_dir():
         return []
-    pattern = rotation_pattern(path.name)
+    with _series_lock(parent):
+        removed = _sweep_locked(parent, rotation_pattern(path.name))
+    for stale in removed:
+        log.info("removed %s, left by a save that was killed", stale)
+    return removed
+
+
+def _sweep_locked(parent: Path, pattern: Any) -> list[Path]:
     removed = []
     for stale in parent.glob(f".*{TRASH_SUFFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -106,8 +136,6 @@ def sweep(path: Path) -> list[Path]:
         if rotation_pattern(name) == pattern and stale.is_dir() and not _claimed(stale):
             shutil.rmtree(stale, ignore_errors=True)
             removed.append(stale)
-    for stale in removed:
-        log.info("removed %s, left by a save that was killed", stale)
     return removed
 
 
@@ -188,8 +216,24 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
-def commit(path: Path, save_id: str = "") -> None:
-    """Move the finished temporary sibling to ``path`` (replacing an older checkpoint there)."""
+def commit(
+    path: Path, save_id: str = "", *, manifest: bytes | None = None, extras: bytes | None = None
+) -> None:
+    """Write the manifest (and extras) into the finished temporary sibling and move it to
+    ``path`` (replacing an older checkpoint there), under the series lock."""
+    with _series_lock(path.parent):
+        try:
+            _commit_locked(path, save_id, manifest, extras)
+        except FileNotFoundError as err:
+            _release(temp_dir(path, save_id))
+            raise CheckpointError(
+                f"saving {path}: another job writes here (its save of the same name removed "
+                f"this one's files as it committed); nothing was committed. Give each job its "
+                "own location."
+            ) from err
+
+
+def _commit_locked(path: Path, save_id: str, manifest: bytes | None, extras: bytes | None) -> None:
     tmp = temp_dir(path, save_id)
     if not (tmp / MARKER_NAME).is_file():
         _release(tmp)
@@ -208,6 +252,12 @@ def commit(path: Path, save_id: str = "") -> None:
             f"saving {path}: another job writes here: it committed {path} while this save was "
             "writing; this save was not committed. Give each job its own location."
         )
+    if extras is not None:
+        (tmp / EXTRA_NAME).write_bytes(extras)
+        fsync_file(tmp / EXTRA_NAME)
+    if manifest is not None:
+        (tmp / MANIFEST_NAME).write_bytes(manifest)
+        fsync_file(tmp / MANIFEST_NAME)
     (tmp / REPLACES_NAME).unlink(missing_ok=True)
     (tmp / MARKER_NAME).unlink(missing_ok=True)
     fsync_dir(tmp)
@@ -521,12 +571,7 @@ class PosixStore:
                     f"{tmp / name}: expected {size} bytes, found {found}: another job writes "
                     f"here ({path}), or removed this save's files; nothing was committed."
                 )
-        if extras is not None:
-            (tmp / EXTRA_NAME).write_bytes(extras)
-            fsync_file(tmp / EXTRA_NAME)
-        (tmp / MANIFEST_NAME).write_bytes(manifest)
-        fsync_file(tmp / MANIFEST_NAME)
-        commit(path, save_id)
+        commit(path, save_id, manifest=manifest, extras=extras)
 
     def point_latest(self, where: str) -> None:
         write_latest(Path(where))

@@ -329,7 +329,14 @@ def _complete(
 ) -> dict[str, Any]:
     """Give the finished file ``written`` its name ``file_path``; the rank's record with each
     fragment's checksum and the file's size."""
-    os.rename(written, file_path)  # the directory's fsync at the commit makes it durable
+    try:
+        os.rename(written, file_path)  # the directory's fsync at the commit makes it durable
+    except FileNotFoundError as err:
+        raise CheckpointError(
+            f"{file_path.parent} was removed while this save wrote {file_path.name}: another "
+            "job writes here (its save of the same name swept this one's files), or something "
+            "else removed them; nothing was committed. Give each job its own location."
+        ) from err
     return _with_digests(record, digests, checksum, file_path.stat().st_size)
 
 
