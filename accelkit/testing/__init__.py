@@ -52,6 +52,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def end_process_group(process: subprocess.Popen, sig: int, grace: float = 20.0) -> None:
+    """Send ``sig`` to a test server's process group; SIGKILL it if still up after ``grace``
+    seconds (the S3 and GCS test servers both stop this way)."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=20)
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a worker: one thread per process (CI has 2 cores), no inherited rank."""
     env = dict(os.environ)

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from accelkit.testing import free_port
+from accelkit.testing import end_process_group, free_port
 
 __all__ = ["LocalGCSServer", "find_fake_gcs_server"]
 
@@ -171,17 +171,8 @@ class LocalGCSServer:
 
     def _signal(self, sig: int, grace: float = 20.0) -> None:
         process, self.process = self.process, None
-        if process is None:
-            return
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+        if process is not None:
+            end_process_group(process, sig, grace)
 
     def __enter__(self) -> LocalGCSServer:
         return self.start()

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from accelkit.testing import end_process_group
+
 __all__ = ["ACCESS_KEY", "SECRET_KEY", "LocalS3Server", "find_weed"]
 
 ACCESS_KEY = "accelkit-test"
@@ -228,17 +230,8 @@ class LocalS3Server:
 
     def _signal(self, sig: int, grace: float = 20.0) -> None:
         process, self.process = self.process, None
-        if process is None:
-            return
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+        if process is not None:
+            end_process_group(process, sig, grace)
 
     def __enter__(self) -> LocalS3Server:
         return self.start()
