@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.7"
+SDK_VERSION = "1.8"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -127,6 +127,7 @@ _SOURCES: dict[str, str] = {
     "check_state_keys": "accelkit.checkpoint.shards.validate",
     "classify_state": "accelkit.checkpoint.shards.sharded",
     "fill_tensor": "accelkit.checkpoint.shards.sharded",
+    "check_group_scalars": "accelkit.checkpoint.shards.sharded",
     "group_scalar": "accelkit.checkpoint.shards.sharded",
     "held_objects": "accelkit.checkpoint.shards.sharded",
     "load_param_states": "accelkit.checkpoint.shards.sharded",
@@ -281,6 +282,7 @@ __all__ = [
     "check_state_keys",
     "classify_state",
     "fill_tensor",
+    "check_group_scalars",
     "group_scalar",
     "held_objects",
     "load_param_states",
@@ -429,6 +431,7 @@ if TYPE_CHECKING:
         check_shape,
         classify_state,
         fill_tensor,
+        check_group_scalars,
         group_scalar,
         held_objects,
         load_param_groups,

@@ -598,15 +598,18 @@ def test_sigkill_during_save_never_breaks_the_previous_checkpoint(tmp_path, asyn
             duration = min(duration, took)
         latest = (parent / "latest").read_text().strip()
         assert latest in (before, f"step-{step}")
-        got = _check_complete(parent)  # through the pointer
-        assert got in (previous, step)
+        got = _check_complete(parent)  # through the pointer (or past it, to a committed step)
+        committed = (parent / f"step-{step}" / "accelkit.json").is_file()
+        assert got == (step if committed else previous)
         if latest == before:
             assert killed
-            kills_before_commit += 1
-            assert _check_complete(parent / before) == previous  # the previous one, intact
-        else:
+            # what 'latest' named, intact (previous, or older where a kill fell after a commit)
+            assert _check_complete(parent / before) == int(before.removeprefix("step-"))
+        if committed:
             completed += 1
             previous = step
+        else:
+            kills_before_commit += 1
         for child in parent.iterdir():  # anything named like a checkpoint is complete
             if child.is_dir() and not child.name.startswith("."):
                 _check_complete(child)

@@ -46,9 +46,15 @@ class Imported:
 
 
 def write_portable(
-    imported: Imported, dst: str | os.PathLike, *, progress: bool | None = None
+    imported: Imported,
+    dst: str | os.PathLike,
+    *,
+    progress: bool | None = None,
+    created_unix_ns: int | None = None,
 ) -> Path:
-    """Write ``imported`` as a world-size-1 portable checkpoint at ``dst`` (atomically)."""
+    """Write ``imported`` as a world-size-1 portable checkpoint at ``dst`` (atomically).
+    ``created_unix_ns`` (default: now) fixes the one field that differs between two imports of
+    the same source, so that ranks importing one file each on their own write one manifest."""
     from accelkit.checkpoint.store import posix
     from accelkit.checkpoint.write.writer import _build_manifest, finalize
 
@@ -123,7 +129,9 @@ def write_portable(
         "file": {"name": rank_file_name(0), "bytes": file_path.stat().st_size},
     }
     backend = SimpleNamespace(name=imported.source, settings=SimpleNamespace(precision=None))
-    manifest, extras = _build_manifest(backend, None, [record], list(objects), imported.step)
+    manifest, extras = _build_manifest(
+        backend, None, [record], list(objects), imported.step, created_unix_ns
+    )
     finalize(path, manifest, extras, latest=False, keep_last=None, writer=imported.source)
     return path
 

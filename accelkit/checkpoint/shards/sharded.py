@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from accelkit.checkpoint.format.codec import encode
+from accelkit.checkpoint.format.codec import decode, encode
 from accelkit.checkpoint.format.fqn import module_tensors, user_module
 from accelkit.checkpoint.shards.fragments import (
     BUFFER,
@@ -77,6 +77,7 @@ __all__ = [
     "OptimizerLoad",
     "ReplicaPlanner",
     "Slot",
+    "check_group_scalars",
     "check_shape",
     "classify_state",
     "fill_tensor",
@@ -443,6 +444,30 @@ def load_slot_states(
             target = state[key] = new_state(slot.flat, entry)
         read_slot(reader, entry, slot, target, zero_rest=zero_rest)
     return zero_d
+
+
+def check_group_scalars(reader: Any, name: str, library: str, key: str = "step") -> None:
+    """Before anything is written: under ``strict``, every saved param group's parameters hold
+    one ``key`` (``step``), which a library that keeps it per group (``library``) needs; a
+    checkpoint whose parameters' steps differ is refused here, while the live state is still
+    whole, not halfway through the load (:func:`group_scalar` then only picks the value)."""
+    info = reader.object_info(name, "optimizer")
+    if not reader.strict or info.get("step_granularity", "param") == "group":
+        return
+    entries = reader.optimizer_entries(name)
+    scalars = info.get("scalar_state", {}) or {}
+    for index, group in enumerate(info.get("param_groups") or []):
+        values: dict[str, float] = {}
+        for pname in group.get("params", []) if isinstance(group, dict) else []:
+            if key in entries.get(pname, {}):
+                values[pname] = float(reader.read(entries[pname][key]))
+            else:
+                value = decode((scalars.get(pname) or {}).get(key))
+                if isinstance(value, (int, float)):
+                    values[pname] = float(value)
+        if len(set(values.values())) > 1:
+            where = f"param group {index}"
+            group_scalar(reader, name, info, key, values, where, library, warn_conversion=False)
 
 
 def group_scalar(

@@ -349,7 +349,10 @@ def _pointer_target(directory: Path, pointer: Path) -> Path:
 
 def resolve(path: str | os.PathLike) -> Path:
     """The checkpoint directory ``path`` names: itself, or where its ``latest`` points (a
-    checkpoint directory inside ``path``; a pointer that leads elsewhere is refused)."""
+    checkpoint directory inside ``path``; a pointer that leads elsewhere is refused), or past it
+    to a committed sibling with a higher step (:func:`_followed_past`). Every reader of a path
+    resolves through here, so a load and a :class:`CheckpointReader` never pick different
+    checkpoints of one folder."""
     path = Path(path)
     if is_checkpoint(path):
         return path
@@ -357,7 +360,7 @@ def resolve(path: str | os.PathLike) -> Path:
     if pointer.is_file():
         target = _pointer_target(path, pointer)
         if is_checkpoint(target):
-            return target
+            return _followed_past(target)
         raise CheckpointError(
             f"{pointer} points at {target.name}, which is not a checkpoint. Write the name of a "
             f"checkpoint directory of {path} into it, or delete it."
@@ -477,9 +480,7 @@ class PosixStore:
 
     # ---- finding --------------------------------------------------------------------------------
     def resolve(self, where: str) -> str:
-        path = Path(where)
-        found = resolve(path)
-        return str(found if found == path else _followed_past(found))
+        return str(resolve(where))
 
     def newest(self, where: str) -> str | None:
         directory = Path(where)

@@ -391,7 +391,12 @@ def _merge_optimizer_groups(infos: dict[str, Any], records: list[dict[str, Any]]
 
 
 def _build_manifest(
-    backend: Any, accel: Any, records: list[dict[str, Any]], state_keys: list[str], step: Any
+    backend: Any,
+    accel: Any,
+    records: list[dict[str, Any]],
+    state_keys: list[str],
+    step: Any,
+    created_unix_ns: int | None = None,
 ) -> tuple[Manifest, dict[str, Any]]:
     main = records[0]
     entries: dict[tuple[str, str, str], TensorEntry] = {}
@@ -450,7 +455,7 @@ def _build_manifest(
     data: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "created_unix_ns": time.time_ns(),
+        "created_unix_ns": time.time_ns() if created_unix_ns is None else created_unix_ns,
         "writer": {
             "backend": backend.name,
             "accelkit": __version__,

@@ -556,7 +556,12 @@ def load_full_state_dict(
         state["optimizer"] = optimizer
     imported = Imported(tensors, objects, {}, "import:mmengine")
     with tempfile.TemporaryDirectory(prefix="accelkit-load-from-") as tmp:
-        path = write_portable(imported, os.path.join(tmp, "checkpoint"), progress=False)
+        # every rank imports the same state dict into its own directory: one creation time
+        # makes their manifests equal, so the load's check that all ranks read one checkpoint
+        # passes where the ranks read the same .pth, and still refuses .pth files that differ
+        path = write_portable(
+            imported, os.path.join(tmp, "checkpoint"), progress=False, created_unix_ns=0
+        )
         accel.load(path, state, strict=strict, rng=False)
 
 

@@ -46,6 +46,7 @@ from accelkit.sdk import (
     Slot,
     UnsupportedError,
     agree,
+    check_group_scalars,
     check_shape,
     check_state_keys,
     decode,
@@ -208,6 +209,8 @@ def check_optimizer_states(backend: Any, reader: Any, state: dict[str, Any]) -> 
         if layout is not None and layout.base is not None:
             live = {key for values in layout.base.state.values() for key in values}
             check_state_keys(reader, name, live)
+            if layout.granularity == "group":
+                check_group_scalars(reader, name, "DeepSpeed")
 
 
 # ---- writing ---------------------------------------------------------------------------------
