@@ -241,7 +241,9 @@ def test_hybrid_divides_by_tp_and_pp(stats):
     )
     assert terms(z) == (1_000_000, 1_000_000, 2_000_000, 1_000_000, 0)
     # pp_size is refused as accelkit.get refuses it (pipeline stages are accelkit's pp), not estimated
-    with pytest.raises(ConfigError, match="pp_size=2: pipeline stages are accelkit.s own option, pp"):
+    with pytest.raises(
+        ConfigError, match=r"pp_size=2: pipeline stages are accelkit.s own option, pp"
+    ):
         estimate(
             "colossalai_hybrid",
             stats["bf16-true"],
