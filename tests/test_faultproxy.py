@@ -197,3 +197,24 @@ def test_a_script_decides_per_request_and_before_runs_between_requests(s3, proxy
 def test_bad_rule_counts_are_refused(proxy):
     with pytest.raises(ValueError, match="count from 1"):
         proxy.inject(Reset(), nth=0)
+
+
+def test_accelkit_s3_makes_as_many_requests_as_its_error_says(s3, proxy, monkeypatch):
+    """A request answered 503 every time: accelkit's S3 client gives up after MAX_ATTEMPTS
+    requests in all, the first included, and its error says that number (botocore's own
+    ``max_attempts`` key counts retries only, one fewer than the requests). Botocore's waits
+    between attempts are shortened; the retries themselves are botocore's."""
+    import botocore.retries.standard
+
+    import accelkit
+    from accelkit.checkpoint.store.s3_client import MAX_ATTEMPTS, S3Bucket
+
+    monkeypatch.setattr(
+        botocore.retries.standard.ExponentialBackoff, "delay_amount", lambda self, ctx: 0.01
+    )
+    bucket = S3Bucket(s3.bucket, {"endpoint_url": proxy.url})
+    key = _key(s3, "always-503")
+    rule = proxy.inject(Status(503), method="GET", path=rf"/{key}$", times=None)
+    with pytest.raises(accelkit.CheckpointError, match=rf"HTTP 503 .* all {MAX_ATTEMPTS} attempts"):
+        bucket.get(key)
+    assert rule.fired == len(proxy.requests("GET", rf"/{key}$")) == MAX_ATTEMPTS

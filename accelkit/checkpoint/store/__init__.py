@@ -16,7 +16,7 @@ from typing import Any
 from accelkit.checkpoint.store.base import Store
 from accelkit.errors import CheckpointError
 
-__all__ = ["Store", "register_store", "scheme_of", "store_for", "stores"]
+__all__ = ["Store", "is_remote", "register_store", "scheme_of", "store_for", "stores"]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: what Path("s3://b/k") becomes: "s3:/b/k"
@@ -42,6 +42,13 @@ def scheme_of(path: Any) -> str:
         return ""
     match = _SCHEME.match(path)
     return match.group(1).lower() if match else ""
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is a URL (object storage, ``s3://``, ``gs://``, a plugin's scheme)
+    rather than a local or shared filesystem path: no local folder holds it, so nothing is
+    written beside it and the filesystem is not asked about it. Asks nothing of any store."""
+    return bool(scheme_of(path))
 
 
 def stores() -> dict[str, Any]:

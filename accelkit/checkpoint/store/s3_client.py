@@ -40,9 +40,10 @@ INSTALL_HINT = "pip install 'accelkit[s3]'"
 PART_BYTES = 8 << 20
 MAX_PARTS = 10_000
 CONCURRENCY = 8
-#: attempts per request (botocore's standard mode: bounded exponential backoff), and of a
-#: body cut mid-way (botocore retries none)
-MAX_ATTEMPTS = 5
+#: attempts per request, the first one included (botocore's standard mode: bounded exponential
+#: backoff), and of a body cut mid-way (botocore retries none). Given to botocore as
+#: ``total_max_attempts``: its ``max_attempts`` key counts the retries only (5 is 6 requests)
+MAX_ATTEMPTS = 6
 CONNECT_TIMEOUT = 10
 READ_TIMEOUT = 60
 #: the first pause before a body is asked for again (doubled each time)
@@ -121,7 +122,7 @@ class S3Bucket:
             if value is not None:
                 client_args[_CLIENT_OPTIONS[key]] = value
         config = Config(
-            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"},
+            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
             connect_timeout=CONNECT_TIMEOUT,
             read_timeout=READ_TIMEOUT,
             max_pool_connections=2 * CONCURRENCY,
@@ -175,6 +176,11 @@ class S3Bucket:
                     f"{doing} {where}: access denied by {endpoint} ({code}). Check the "
                     "credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE) and "
                     "their permissions on the bucket."
+                )
+            if isinstance(status, int) and (status >= 500 or status in (408, 429)):
+                return CheckpointError(
+                    f"{doing} {where}: {endpoint} answered HTTP {status} ({code}) to all "
+                    f"{MAX_ATTEMPTS} attempts. The server is overloaded or failing: retry later."
                 )
         if isinstance(err, CheckpointError):
             return err

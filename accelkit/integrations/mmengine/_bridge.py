@@ -14,6 +14,7 @@ import torch
 import accelkit
 from accelkit import distributed
 from accelkit.backend import Capabilities
+from accelkit.checkpoint.store import is_remote
 from accelkit.errors import CheckpointError, ConfigError, UnsupportedError
 from accelkit.integrations.mmengine import checkpoint as ckpt
 from accelkit.integrations.mmengine._settings import (
@@ -449,7 +450,7 @@ class Bridge:
     def _layout_differs(self, path: str, model: AccelkitModelWrapper) -> bool:
         """The checkpoint holds the model otherwise than it is set up (one optimizer's
         ``model`` against several optimizers' parts, or other parts)."""
-        if path.startswith("s3://"):
+        if is_remote(path):
             return False
         return sorted(ckpt.saved_parts(path)) != sorted(model.parts)
 

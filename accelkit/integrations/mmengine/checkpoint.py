@@ -34,6 +34,7 @@ from accelkit.checkpoint.formats.unpickle import (
     restricted_torch_load,
     tensor_allowlist,
 )
+from accelkit.checkpoint.store import is_remote
 from accelkit.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ MMEngine's own loader expects a file here; without accelkit it reports
 def write_marker(accel: Accelerator, path: str | os.PathLike) -> None:
     """Rank 0 puts :data:`MARKER` into the local checkpoint directory ``path`` it just wrote."""
     path = os.fspath(path)
-    if accel.rank != 0 or path.startswith("s3://") or not os.path.isdir(path):
+    if accel.rank != 0 or is_remote(path) or not os.path.isdir(path):
         return
     name = os.path.basename(path.rstrip(os.sep))
     text = MARKER_TEXT.format(name=name, stem=os.path.splitext(name)[0])
@@ -256,7 +257,7 @@ def decode(data: Any) -> Any:
 
 # ---- the portable checkpoint ---------------------------------------------------------------------
 def is_portable(path: str | os.PathLike) -> bool:
-    if str(path).startswith("s3://"):  # an accelkit checkpoint in object storage
+    if is_remote(path):  # an accelkit checkpoint in object storage
         from accelkit.integrations.mmengine.object_storage import holds_checkpoint
 
         return holds_checkpoint(str(path))

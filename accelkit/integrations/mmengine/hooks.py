@@ -33,8 +33,9 @@ from mmengine.dist import barrier, is_main_process
 from mmengine.hooks import CheckpointHook
 from mmengine.registry import HOOKS
 
+from accelkit.checkpoint.store import is_remote
 from accelkit.errors import ConfigError
-from accelkit.integrations.mmengine.object_storage import check_backend_args
+from accelkit.integrations.mmengine.object_storage import check_backend_args, serve
 from accelkit.log import LOGGER_NAME
 
 #: what ``AccelkitCheckpointHook(save_format=...)`` takes
@@ -101,6 +102,10 @@ class AccelkitCheckpointHook(CheckpointHook):
         # before anything is written: refused when the runner is built, not at the first save
         check_backend_args(self.backend_args, "CheckpointHook backend_args")
 
+    def before_train(self, runner: Any) -> None:
+        serve(self.out_dir)  # a store plugin's scheme (gs://) for MMEngine's file layer
+        super().before_train(runner)
+
     def before_run(self, runner: Any) -> None:
         super().before_run(runner)
         logger = logging.getLogger(LOGGER_NAME)
@@ -162,11 +167,11 @@ class AccelkitCheckpointHook(CheckpointHook):
         self.last_ckpt = self.file_backend.join_path(self.out_dir, ckpt_filename)
         runner.message_hub.update_info("last_ckpt", self.last_ckpt)
         save_format = getattr(self, "save_format", "accelkit")
-        if save_format != "accelkit" and str(self.out_dir).startswith("s3://"):
+        if save_format != "accelkit" and is_remote(self.out_dir):
             raise ConfigError(
                 f"CheckpointHook save_format={save_format!r} writes MMEngine's .pth beside the "
                 f"checkpoint on a local disk; out_dir {self.out_dir} is object storage: use "
-                "save_format='accelkit' there (`accelkit convert s3://... model.pth` exports one)"
+                "save_format='accelkit' there (`accelkit convert <url> model.pth` exports one)"
             )
         # 'pth': the directory is written under a hidden name, exported, then removed
         written = f".{ckpt_filename}.accelkit-staging" if save_format == "pth" else ckpt_filename

@@ -1,15 +1,17 @@
-"""``s3://`` for MMEngine's file layer: the ``accelkit_s3`` backend, over accelkit's object store.
+"""Object storage for MMEngine's file layer: the ``accelkit_s3`` backend, over accelkit's stores.
 
 MMEngine maps the ``s3://`` prefix to its Petrel backend, which needs the ``petrel_client``
 package of one cluster; without it, ``CheckpointHook(out_dir="s3://...")`` fails before the first
 save. :func:`register` (run when ``accelkit.integrations.mmengine`` is imported) registers
 :class:`AccelkitS3Backend` as ``backend='accelkit_s3'`` with both of MMEngine's registries, and
-for the ``s3`` prefix too where ``petrel_client`` is not installed. It serves what the checkpoint
+for the ``s3`` prefix too where ``petrel_client`` is not installed; :func:`serve` adds the
+scheme of a store plugin's ``out_dir`` (``gs://`` with accelkit-gcs), which MMEngine has no
+backend for, when AccelkitCheckpointHook starts training. It serves what the checkpoint
 hook asks of a file backend (join, exists, remove a checkpoint, read and write small files); the
 checkpoints themselves go through accelkit's commit protocol (:mod:`accelkit.checkpoint.store.bucket`).
 
 ``backend_args`` (the hook's and the runner's) become the store's ``storage_options``: the
-endpoint and credentials, else the AWS_* variables and profiles::
+endpoint and credentials, else the store's own variables (AWS_* and profiles for S3)::
 
     default_hooks = dict(checkpoint=dict(
         type="CheckpointHook", interval=1, out_dir="s3://bucket/runs",
@@ -29,7 +31,7 @@ from mmengine.fileio import FileClient, register_backend
 from mmengine.fileio.backends import BaseStorageBackend
 
 from accelkit.checkpoint.format.manifest import MANIFEST_NAME
-from accelkit.checkpoint.store import scheme_of, store_for
+from accelkit.checkpoint.store import is_remote, scheme_of, store_for, stores
 from accelkit.checkpoint.store.bucket import ObjectLocation
 from accelkit.errors import ConfigError
 
@@ -73,14 +75,17 @@ def storage_options(backend_args: dict[str, Any] | None) -> dict[str, Any] | Non
 
 
 class AccelkitS3Backend(BaseStorageBackend):
-    """MMEngine's file-backend interface on an S3-compatible store (``s3://bucket/key``)."""
+    """MMEngine's file-backend interface on accelkit's store of a URL (``s3://bucket/key``, or
+    a plugin's scheme such as ``gs://``)."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options or None
 
     def _where(self, filepath: Any) -> ObjectLocation:
-        if scheme_of(str(filepath)) != "s3":
-            raise ValueError(f"{filepath}: the {BACKEND_NAME} backend serves s3:// paths only")
+        if not is_remote(str(filepath)):
+            raise ValueError(
+                f"{filepath}: the {BACKEND_NAME} backend serves object storage URLs only"
+            )
         return store_for(str(filepath), self.options).where(str(filepath))
 
     def _store(self, where: ObjectLocation) -> Any:
@@ -158,15 +163,27 @@ class AccelkitS3Backend(BaseStorageBackend):
                 yield relative
 
 
-def register() -> None:
-    """Register the backend by name, and for the ``s3`` prefix where Petrel is absent."""
-    prefixes = None if importlib.util.find_spec("petrel_client") else "s3"
-    register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefixes)
-    FileClient.register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefixes)
-    if prefixes:  # FileClient's force=True drops the old prefix's instances but keeps its class
-        FileClient._prefix_to_backends[prefixes] = AccelkitS3Backend
+def register(prefix: str | None = "s3") -> None:
+    """Register the backend by name, and for ``prefix`` (``s3`` where Petrel is absent)."""
+    if prefix == "s3" and importlib.util.find_spec("petrel_client"):
+        prefix = None
+    register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefix)
+    FileClient.register_backend(BACKEND_NAME, AccelkitS3Backend, force=True, prefixes=prefix)
+    if prefix:  # FileClient's force=True drops the old prefix's instances but keeps its class
+        FileClient._prefix_to_backends[prefix] = AccelkitS3Backend
+
+
+def serve(out_dir: Any) -> None:
+    """Serve ``out_dir``'s URL scheme in MMEngine's file layer through this backend, where an
+    accelkit store serves it and MMEngine has no backend of its own for it."""
+    from mmengine.fileio.backends import prefix_to_backends
+
+    scheme = scheme_of(str(out_dir))
+    if scheme and scheme not in prefix_to_backends and scheme in stores():
+        register(scheme)
 
 
 def holds_checkpoint(path: str) -> bool:
-    """Whether the ``s3://`` ``path`` is an accelkit checkpoint (or holds a ``latest``)."""
-    return scheme_of(path) == "s3" and store_for(path).is_checkpoint(path)
+    """Whether the URL ``path`` is an accelkit checkpoint (or holds a ``latest``); False for a
+    scheme no accelkit store serves (MMEngine's own backends read it)."""
+    return scheme_of(path) in stores() and store_for(path).is_checkpoint(path)

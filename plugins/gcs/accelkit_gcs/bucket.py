@@ -42,6 +42,12 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0
 PART_BYTES = 8 << 20
 _RETRIED = {408, 429, 500, 502, 503, 504}
+_SET = (
+    "Set GOOGLE_APPLICATION_CREDENTIALS to a service account's key file or run `gcloud auth "
+    "application-default login` (Application Default Credentials, with google-auth: pip install "
+    "'accelkit-gcs[auth]'), or pass storage_options={'token': <bearer token>}; for an emulator "
+    "set STORAGE_EMULATOR_HOST or storage_options={'endpoint': <url>} (no credentials)."
+)
 #: what ``storage_options`` may hold
 OPTIONS = ("endpoint", "token")
 
@@ -78,20 +84,23 @@ class GCSBucket:
             return {"Authorization": f"Bearer {self._token}"}
         if self._anonymous:
             return {}
-        if self._credentials is None:
-            try:
-                import google.auth
-                import google.auth.transport.requests
-            except ImportError as err:
-                raise CheckpointError(
-                    "gs:// needs credentials: pip install google-auth (Application Default "
-                    "Credentials), or pass storage_options={'token': ...}"
-                ) from err
-            scope = ["https://www.googleapis.com/auth/devstorage.read_write"]
-            self._credentials, _ = google.auth.default(scopes=scope)
-            self._refresh = google.auth.transport.requests.Request()
-        if not self._credentials.valid:
-            self._credentials.refresh(self._refresh)
+        try:
+            import google.auth
+            import google.auth.exceptions
+            import google.auth.transport.requests
+        except ImportError as err:
+            raise CheckpointError(f"gs://{self.name}: no credentials: {_SET}") from err
+        try:
+            if self._credentials is None:
+                scope = ["https://www.googleapis.com/auth/devstorage.read_write"]
+                self._credentials, _ = google.auth.default(scopes=scope)
+                self._refresh = google.auth.transport.requests.Request()
+            if not self._credentials.valid:
+                self._credentials.refresh(self._refresh)
+        except google.auth.exceptions.GoogleAuthError as err:  # none found, or no token
+            raise CheckpointError(
+                f"gs://{self.name}: no usable Google Cloud credentials ({err}). {_SET}"
+            ) from err
         return {"Authorization": f"Bearer {self._credentials.token}"}
 
     def _request(self, method: str, path: str, what: str, ok=(200,), body=None, headers=None):
@@ -208,7 +217,8 @@ class GCSBucket:
             raise ObjectExists(f"{what}: the object exists already")
 
     def upload(self, key: str, source: Path, pool: ThreadPoolExecutor | None = None) -> None:
-        """A local file, streamed in one request (retried whole)."""
+        """A local file in one request (retried whole), streamed from the file a block at a
+        time: memory stays flat (bench/gcs_upload_memory.py: +0 MiB of peak RSS for 1 GiB)."""
         name = urllib.parse.quote(key, safe="")
         headers = {
             "Content-Type": "application/octet-stream",

@@ -89,6 +89,34 @@ def test_a_read_pinned_to_a_generation_refuses_a_replaced_object(bucket):
     assert bytes(view) == b"b" * 10
 
 
+def test_a_rank_file_is_streamed_from_its_file_never_read_whole(bucket, tmp_path):
+    """The upload of a rank file holds a few KiB of it at a time (bench/gcs_upload_memory.py
+    measures 1 GiB: +0 MiB of peak RSS). Its twin, the same bytes read first and put, peaks at
+    their size at least: the measure sees a file read whole."""
+    import os
+    import tracemalloc
+
+    size = 16 << 20
+    source = tmp_path / "rank.bin"
+    source.write_bytes(os.urandom(1 << 20) * (size >> 20))
+    peaks = []
+    for send in (
+        lambda: bucket.upload("streamed/rank.bin", source),
+        lambda: bucket.put("whole/rank.bin", source.read_bytes()),
+    ):
+        tracemalloc.start()
+        try:
+            send()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[0] < 1 << 20 and peaks[1] >= size, peaks
+    assert bucket.head("streamed/rank.bin").size == size
+    view = memoryview(bytearray(64))
+    bucket.read_into("streamed/rank.bin", view, size - 64, None)
+    assert bytes(view) == source.read_bytes()[-64:]
+
+
 def test_the_plugin_imports_only_the_sdk_of_accelkit_and_stays_small():
     lines = 0
     for path in PACKAGE.glob("*.py"):
@@ -104,3 +132,34 @@ def test_the_plugin_imports_only_the_sdk_of_accelkit_and_stays_small():
                 assert name == "accelkit.sdk" or not name.startswith("accelkit."), (path, name)
                 assert name != "accelkit", (path, name)
     assert lines <= 400, f"accelkit_gcs is {lines} lines; the issue allows 400"
+
+
+@pytest.mark.timeout(60)  # the belt: nothing below may wait on a metadata server
+def test_no_credentials_fail_clearly_saying_what_to_set(tmp_path, monkeypatch):
+    """No emulator, no token, and Application Default Credentials pointing at a file that is
+    not there: the first request fails with a CheckpointError naming what to set, not
+    google-auth's own error. Nothing leaves this machine: the missing file fails before any
+    request, and the metadata server's address is a closed loopback port, its check off."""
+    pytest.importorskip("google.auth")
+    import socket
+
+    import accelkit
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{closed.getsockname()[1]}"
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-such-key.json"))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    monkeypatch.setenv("GCE_METADATA_IP", nowhere)
+    monkeypatch.setenv("GCE_METADATA_HOST", nowhere)
+    accel = accelkit.get("cpu")
+    with pytest.raises(accelkit.CheckpointError) as caught:
+        accel.save("gs://ckpts/run/step-1", {"model": __import__("torch").nn.Linear(2, 2)})
+    message = str(caught.value)
+    assert "gs://ckpts: no usable Google Cloud credentials" in message, message
+    assert "no-such-key.json" in message  # google-auth's reason, kept
+    for what in ("GOOGLE_APPLICATION_CREDENTIALS", "token", "STORAGE_EMULATOR_HOST", "endpoint"):
+        assert what in message, (what, message)
