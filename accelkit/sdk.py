@@ -128,6 +128,7 @@ _SOURCES: dict[str, str] = {
     "classify_state": "accelkit.checkpoint.shards.sharded",
     "fill_tensor": "accelkit.checkpoint.shards.sharded",
     "check_group_scalars": "accelkit.checkpoint.shards.sharded",
+    "check_same_files": "accelkit.checkpoint.read.same_source",
     "group_scalar": "accelkit.checkpoint.shards.sharded",
     "held_objects": "accelkit.checkpoint.shards.sharded",
     "load_param_states": "accelkit.checkpoint.shards.sharded",
@@ -283,6 +284,7 @@ __all__ = [
     "classify_state",
     "fill_tensor",
     "check_group_scalars",
+    "check_same_files",
     "group_scalar",
     "held_objects",
     "load_param_states",
@@ -410,6 +412,7 @@ if TYPE_CHECKING:
         restricted_torch_load,
         tensor_allowlist,
     )
+    from accelkit.checkpoint.read.same_source import check_same_files
     from accelkit.checkpoint.shards.fragments import (
         dense_fragments,
         load_dense_fragments,

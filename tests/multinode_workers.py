@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import accelkit
-from accelkit import distributed
+from accelkit import distributed, sdk
 from accelkit.errors import CheckpointError
 
 
@@ -64,6 +64,11 @@ def node_private(root: str) -> dict:
             out[case] = "loaded"
         except CheckpointError as err:
             out[case] = str(err)
+        try:  # a library's own checkpoint (format="native") is checked by its files
+            sdk.check_same_files(case, case)
+            out[f"files:{case}"] = "same"
+        except CheckpointError as err:
+            out[f"files:{case}"] = str(err)
     state = _state(0)
     state["model"] = accel.setup(state["model"])
     try:

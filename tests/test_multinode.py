@@ -170,6 +170,17 @@ def test_a_load_refuses_ranks_that_read_different_checkpoints(node_private):
     assert [r["same"] for r in node_private["results"]] == ["loaded", "loaded"]
 
 
+def test_a_native_load_refuses_ranks_that_see_different_files(node_private):
+    """``format="native"`` checkpoints have no manifest: the files' names, sizes and times."""
+    for result in node_private["results"]:
+        message = result["files:different"]
+        assert "rank(s) [1] see other files in different than rank 0" in message
+        assert "node-local disks?" in message and "Nothing was loaded" in message
+        assert "rank(s) [1] see other files" in result["files:missing"]  # none there at all
+    # the negative twin: a copy (times kept, as a shared filesystem shows one file) passes
+    assert [r["files:same"] for r in node_private["results"]] == ["same", "same"]
+
+
 def test_a_rank_that_cannot_read_the_checkpoint_is_told_why(node_private):
     rank0, rank1 = (r["missing"] for r in node_private["results"])
     assert "rank 1 cannot read the checkpoint rank 0 reads at this path" in rank0

@@ -7,6 +7,8 @@ trains replicas that started from different weights, with no error until the nex
 
 - :func:`check_same_checkpoint`: at load, one all-gather of the manifest's digest (its SHA-256,
   which covers every fragment's checksum); ranks that read another checkpoint are refused.
+- :func:`check_same_files`: the same for a library's own checkpoint (no manifest): the names,
+  sizes and modification times of its files, all-gathered.
 - :func:`check_shared_directory`: before training starts, ``auto_resume`` checks that every rank
   sees a marker rank 0 writes in its directory, so a node-private directory fails at once,
   not at the first save hours later, and a node that joins an elastic job and cannot read the
@@ -80,6 +82,35 @@ def check_same_checkpoint(
                 "node-local disks?"
             )
         distributed.raise_agreed(CheckpointError(f"loading {where}: {problem} {_FIX}."))
+
+
+def check_same_files(folder: str | os.PathLike, where: Any) -> None:
+    """Refuse, on every rank alike, a load of a library's own checkpoint (``format="native"``:
+    no manifest, no digest) where the ranks see different files in ``folder``: the names,
+    sizes and modification times of every file under it, which a shared filesystem shows alike
+    to every rank and node-local disks do not (a stale checkpoint of the same name on one node).
+    One all-gather of a short string; collective."""
+    if not distributed._multi():
+        return
+    import hashlib
+
+    root = Path(folder)
+    listing = []
+    if root.is_dir():
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                listing.append((str(path.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    digest = hashlib.sha256(repr(listing).encode()).hexdigest()
+    seen = distributed.all_gather_object((_TAG, digest, len(listing)))
+    differ = [rank for rank, entry in enumerate(seen) if entry != seen[0]]
+    if differ:
+        problem = (
+            f"rank(s) {differ} see other files in {root} than rank 0 (rank 0: {seen[0][2]} "
+            f"files; rank {differ[0]}: {seen[differ[0]][2]}, or the same names with other sizes "
+            "or times): node-local disks? Nothing was loaded"
+        )
+        distributed.raise_agreed(CheckpointError(f"loading {where}: {problem}. {_FIX}."))
 
 
 def peers_opened(messages: list[Any]) -> list[int]:

@@ -32,6 +32,7 @@ from accelkit.sdk import (
     CheckpointError,
     PickleRefused,
     UnsupportedError,
+    check_same_files,
     classify_state,
     drop_callables,
     user_module,
@@ -297,6 +298,8 @@ def load(
     except Exception as err:  # any failure on one rank must reach the others, not strand them
         failure = err
     agree_readable(path, failure)
+    resolved = _resolved_tag(path, tag)  # every rank's files of it, as rank 0 sees them
+    check_same_files(Path(path) / resolved if resolved else path, path)
     with restricted_reads(engine, path, read):
         load_path, client = engine.load_checkpoint(
             str(path),
