@@ -407,6 +407,7 @@ def auto_resume(
     counter) are replaced by the saved ones; ``load_kwargs`` go to :meth:`Accelerator.load`.
     """
     from accelkit.checkpoint.read import same_source
+    from accelkit.checkpoint.store import is_remote
 
     same_source.check_shared_directory(directory)  # node-private disks fail now, not at a save
     found = latest_checkpoint(directory) if accel.rank == 0 else None
@@ -414,7 +415,7 @@ def auto_resume(
     if chosen is None:
         log.info("auto_resume: no checkpoint under %s; starting fresh", directory)
         return None
-    path: Any = chosen if "://" in chosen else Path(chosen)  # s3:// stays a URL
+    path: Any = chosen if is_remote(chosen) else Path(chosen)  # a URL stays a URL
     unconsumed = accel.load(path, state, **load_kwargs)
     if unconsumed:
         log.debug("auto_resume: saved but not in state: %s", ", ".join(sorted(unconsumed)))
