@@ -126,6 +126,15 @@ def train(
     }
 
 
+def train_schedules(*, schedules: list[str], microbatches: int, **kwargs: Any) -> dict[str, Any]:
+    """:func:`train` once per schedule in one launch (one process group, a fresh accelerator
+    and model each time): the schedule matrix costs one start-up per backend and stage count."""
+    return {
+        schedule: train(pipeline={"schedule": schedule, "microbatches": microbatches}, **kwargs)
+        for schedule in schedules
+    }
+
+
 # ---- checkpoints across layouts -----------------------------------------------------------------
 def _gathered(accel: Any, model: Any, opt: Any) -> dict[str, list[float]]:
     """This rank's weights and optimizer state by unsplit name, gathered with DTensor's own
