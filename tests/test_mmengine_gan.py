@@ -413,6 +413,45 @@ def test_gan_trains_resumes_and_reads_back_on_cpu(tmp_path: Path, gan) -> None:
     )
 
 
+def test_several_optimizers_built_on_a_runner_of_one_train_as_from_the_config(
+    tmp_path: Path, gan
+) -> None:
+    """MMEngine's ``runner.build_optim_wrapper`` builds an ``OptimWrapperDict`` from whatever it
+    is given, also on a Runner whose config has one optimizer (MMEngine's own tests do). The
+    backend was built from that config: a dict that accumulates and clips as it does is
+    accepted and trains as the same several-optimizer config; one that clips otherwise is
+    refused before anything is built."""
+    from mmengine.optim import OptimWrapperDict
+    from mmengine.registry import RUNNERS
+
+    from accelkit.errors import ConfigError
+    from accelkit.integrations.mmengine import AccelkitOptimWrapper
+
+    expected = _accelkit_run(gan, tmp_path, "config", "config")
+    cfg = gan.gan_cfg(str(tmp_path / "later"), str(tmp_path / "later"), name="later", n=16)
+    several = cfg["optim_wrapper"]
+    cfg["optim_wrapper"] = dict(  # what the entries combine to: accumulation 2, clipping 1.0
+        optimizer=dict(type="SGD", lr=0.1), accumulative_counts=2, clip_grad=dict(max_norm=1.0)
+    )
+    cfg.update(runner_type="AccelkitRunner", accelkit=dict(backend="cpu"))
+    runner = RUNNERS.build(cfg)
+    clip_2 = {
+        k: dict(v, clip_grad=dict(max_norm=2.0)) if k != "constructor" else v
+        for k, v in several.items()
+    }
+    with pytest.raises(ConfigError, match="other settings"):
+        runner.build_optim_wrapper(clip_2)
+    built = runner.build_optim_wrapper(several)
+    assert isinstance(built, OptimWrapperDict)
+    assert all(type(w) is AccelkitOptimWrapper for w in built.values())
+    runner.optim_wrapper = built
+    runner.train()
+    got = _record(tmp_path, "later")
+    for key in ("loss_d", "loss_g", "lr", "iters"):
+        assert got[key] == expected[key], key
+    assert got["params"] == expected["params"]
+
+
 def test_load_from_keeps_the_new_runs_seed_and_resume_restores_the_state(
     tmp_path: Path, gan
 ) -> None:

@@ -15,6 +15,7 @@ schedulers are built. Everything else (loops, hooks, logging, validation, ``resu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -209,17 +210,21 @@ class AccelkitRunner(Runner):
             isinstance(w, AccelkitOptimWrapper) for w in _wrappers(optim_wrapper)
         ):
             return optim_wrapper
+        settings = self._optim_settings
         if optim_wrapper is not self.optim_wrapper:
             optim_wrapper, settings = read_optim_wrapper_cfg(optim_wrapper)
-            if self._optim_settings is not None and settings != self._optim_settings:
+            # one optimizer or several is no setting of the backend (setup checks that it can
+            # hold several): only what the Accelerator was built with must agree
+            built = self._optim_settings
+            if built is not None and dataclasses.replace(settings, several=built.several) != built:
                 raise ConfigError(
                     "this optim_wrapper trains with other settings (accumulative_counts, "
                     "clip_grad, AMP) than the config's optim_wrapper, from which the Runner "
-                    f"built accelkit's backend ({settings} != {self._optim_settings}); change "
-                    "the config's optim_wrapper instead"
+                    f"built accelkit's backend ({settings} != {built}); change the config's "
+                    "optim_wrapper instead"
                 )
         wrapper = super().build_optim_wrapper(optim_wrapper)
-        return adopt_built(wrapper, self._optim_settings)
+        return adopt_built(wrapper, settings)
 
     def train(self) -> Any:
         self._in_train = True
