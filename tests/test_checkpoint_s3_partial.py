@@ -249,7 +249,11 @@ def _staging_leftovers() -> list[str]:
 
 
 def _open_copies() -> list[str]:
-    """The files of a load copy this process still has open."""
+    """The files of a load copy this process still has open, once the copies of the loads
+    that returned have given back their memory (a thread of their own does it)."""
+    from accelkit.checkpoint.read.ranged_copy import wait_for_release
+
+    wait_for_release()
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
