@@ -1,5 +1,6 @@
 """Run MMEngine's own runner, hook and AMP tests twice: as they are, and with ``AccelkitRunner``
-in place of MMEngine's ``Runner``, and print where the two runs differ.
+in place of MMEngine's ``Runner`` (with ``--pth`` a third time, writing MMEngine's ``.pth``),
+and print the counts per file and which tests differ, with the known reasons.
 
 MMEngine's test suite is the most thorough description of what its ``Runner`` does; running it
 with accelkit's Runner swapped in shows what an OpenMMLab user who sets
@@ -18,8 +19,9 @@ installed package, never the checkout's ``mmengine/`` (the script checks the ver
 The tests need ``pip install 'accelkit[mmengine-upstream]'`` (MMEngine plus ``parameterized``).
 Nothing is written into ``SRC``; each run works in a temporary directory.
 
-The swap (``ACCELKIT_SWAP_RUNNER=1``, or ``pth`` for ``--pth``'s run) is done by this file loaded as a pytest plugin
-(``-p mmengine_upstream_tests``) before any test module is imported: every ``mmengine`` module
+The swap (``ACCELKIT_SWAP_RUNNER=1``, or ``pth`` for ``--pth``'s run) is done by this file
+loaded as a pytest plugin (``-p mmengine_upstream_tests``) before any test module is imported:
+every ``mmengine`` module
 that bound ``Runner`` (``mmengine.runner``, ``mmengine.runner.runner``,
 ``mmengine.testing.runner_test_case``, ...) and the ``RUNNERS`` registry's ``'Runner'`` entry
 then give ``AccelkitRunner``; tests' own ``class X(Runner)`` subclass it. No ``accelkit``
