@@ -52,6 +52,9 @@ __all__ = ["StoreContract", "store_contract"]
 
 #: the phrase a losing writer's error must hold (docs/checkpoint.md, "Object storage")
 ANOTHER_JOB = "another job writes here"
+#: the loser's error where its save began after the other's commit, on a store that never
+#: replaces a committed name: as clear, and nothing of either job is lost
+COMMITTED_ALREADY = "is a committed checkpoint already"
 #: a stall longer than every store's read timeout (60 s)
 STALL_PAST_TIMEOUT_S = 150.0
 #: runs of each racy case in a row
@@ -446,7 +449,8 @@ class StoreContract:
         """Two jobs save one name at once, :data:`RACE_RUNS` times: exactly one commits, the
         other fails with "another job writes here", the committed checkpoint is whole (on a
         store that replaces a committed name, a save that began after the other's commit may
-        replace it: then the checkpoint is the later committer's, whole)."""
+        replace it: then the checkpoint is the later committer's, whole; on one that never
+        does, that late save fails with "is a committed checkpoint already")."""
         import accelkit
 
         out = tmp_path / "race"
@@ -494,8 +498,9 @@ class StoreContract:
                 one_after_other = len(committed) == 2 and place.replaces_committed
                 if len(committed) != 1 and not one_after_other:
                     problems.append(f"{len(committed)} writers were told their save committed")
+                late = () if place.replaces_committed else (COMMITTED_ALREADY,)
                 for loser in lost:
-                    if ANOTHER_JOB not in loser["error"]:
+                    if not any(text in loser["error"] for text in (ANOTHER_JOB, *late)):
                         problems.append(
                             f"the loser's error lacks {ANOTHER_JOB!r}: {loser['type']}: "
                             f"{loser['error'][-300:]}"
