@@ -84,6 +84,8 @@ class GCSBucket:
             return {"Authorization": f"Bearer {self._token}"}
         if self._anonymous:
             return {}
+        if self._credentials is not None and self._credentials.valid:  # every request but one
+            return {"Authorization": f"Bearer {self._credentials.token}"}
         try:
             import google.auth
             import google.auth.exceptions
