@@ -5,6 +5,7 @@ repository, and ``sdk.installed_versions`` reads versions without importing."""
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
@@ -277,3 +278,25 @@ def test_optimizer_recipe_rebuilds_adamw_and_refuses_one_with_state():
     adamw.step()
     with pytest.raises(accelkit.ConfigError, match="mine: the optimizer already has state"):
         sdk.optimizer_recipe("mine", adamw)
+
+
+def test_a_contract_made_after_another_was_freed_launches_its_own_runs(monkeypatch):
+    """Contract classes made one after another (as the broken twins are) never share cached runs
+    or a checkpoint folder, although a freed class's ``id`` is reused. ``run_ranks`` is replaced
+    by a recorder: the launches themselves are not what this checks."""
+    launched: list[str] = []
+
+    def record(target: str, job: dict, **_: object) -> list[str]:
+        launched.append(job["backend"])
+        return [job["backend"]]
+
+    monkeypatch.setattr(conformance, "run_ranks", record)
+    folders = set()
+    for backend in ("cpu", "ddp", "cpu", "ddp"):
+        contract = conformance.backend_contract(backend, world_sizes=(1,))()
+        assert contract.trained(1) == [backend]
+        folders.add(contract._checkpoint())
+        del contract
+        gc.collect()
+    assert launched == ["cpu", "ddp", "cpu", "ddp"]
+    assert len(folders) == 4

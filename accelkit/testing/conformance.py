@@ -91,6 +91,13 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 _TMP = Path(tempfile.mkdtemp(prefix="accelkit-contract-"))
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 _CACHE: dict[tuple, Any] = {}
+_SERIALS: dict[type, int] = {}
+
+
+def _serial(cls: type) -> int:
+    """A number no other contract class of this process gets: ``id`` is reused once a class
+    made by :func:`backend_contract` is freed, and its cached runs and folder with it."""
+    return _SERIALS.setdefault(cls, len(_SERIALS))
 
 
 def _tamper(source: Path, target: Path) -> Path:
@@ -254,7 +261,7 @@ class BackendContract:
             gpus = torch.cuda.device_count()
             if nproc > gpus:
                 pytest.skip(f"{nproc} ranks need {nproc} GPUs; this machine has {gpus}")
-        cache_key = (id(cls), *key)
+        cache_key = (cls, *key)  # the class itself: an id is reused once a class is freed
         if cache_key not in _CACHE:
             try:
                 _CACHE[cache_key] = run_ranks(
@@ -298,7 +305,7 @@ class BackendContract:
 
     def _checkpoint(self) -> Path:
         cls = type(self)
-        return _TMP / f"{cls.__qualname__}-{id(cls)}" / "ckpt"
+        return _TMP / f"{cls.__qualname__}-{_serial(cls)}" / "ckpt"
 
     def trained(self, world_size: int) -> list[dict[str, Any]]:
         """The run at ``world_size``; the largest one also saves the checkpoint."""
