@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -114,34 +115,108 @@ def _tail(path: Path, chars: int) -> str:
 
 
 def _rank_logs(logdir: Path, nproc: int) -> str:
-    """Each rank's stderr tail, from torchrun's per-rank logs (``--log-dir``/``--redirects``)."""
+    """Each rank's stderr tail (``logdir/<rank>/stderr.log``)."""
     parts = []
     for rank in range(nproc):
-        found = sorted(logdir.glob(f"**/attempt_*/{rank}/stderr.log"))
-        stderr = _tail(found[-1], 6000) if found else "(no log)"
+        stderr = _tail(logdir / str(rank) / "stderr.log", 6000)
         parts.append(f"--- rank {rank} stderr ---\n{stderr}")
     return "\n".join(parts)
 
 
-def _run_group(cmd: list[str], env: dict[str, str], timeout: float) -> Any:
-    """Run ``cmd`` in its own process group; past ``timeout``, kill the whole group (torchrun
-    and every rank: killing torchrun alone leaves hung ranks running) and raise TimeoutExpired."""
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+def launch_env(rank: int, nproc: int, port: int, run_id: str) -> dict[str, str]:
+    """What ``torchrun --nproc-per-node=N`` gives each of its workers on one node, except the
+    agent's store (there is no agent): rank 0 hosts the group's TCPStore, as under ``srun``."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
+
+
+class _RankGroup:
+    """``nproc`` rank processes started and watched as torchrun's agent does, without the agent
+    (one more Python process with torch imported: about 1.5 s of CPU per launch, much of a short
+    test's launch on 2 cores). Each rank runs in a session of its own, its stdout and stderr in
+    ``logdir/<rank>/``. When a rank fails, the others get ``grace`` seconds to end by themselves
+    (their next collective fails and says why), then SIGTERM, then SIGKILL."""
+
+    def __init__(self, target: str, outdir: Path, logdir: Path, env: dict[str, str], nproc: int):
+        self.outdir = outdir
+        port, run_id = free_port(), f"accelkit-ranks-{os.getpid()}-{outdir.name}"
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(nproc):
+            folder = logdir / str(rank)
+            folder.mkdir(parents=True)
+            with open(folder / "stdout.log", "wb") as out, open(folder / "stderr.log", "wb") as err:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(RANK_SCRIPT), target, str(outdir)],
+                        env={**env, **launch_env(rank, nproc, port, run_id)},
+                        stdout=out,
+                        stderr=err,
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+
+    def _running(self) -> bool:
+        return any(proc.poll() is None for proc in self.procs)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+
+    def _failed(self) -> bool:
+        """A rank ended non-zero without its result (one that wrote its result and then hit
+        gloo's exit race has done its work: GLOO_EXIT_ABORT)."""
+        return any(
+            proc.returncode not in (None, 0) and not (self.outdir / f"rank-{rank}.json").exists()
+            for rank, proc in enumerate(self.procs)
+        )
+
+    def _stop(self, grace: float) -> None:
+        self._signal(signal.SIGTERM)
+        until = time.monotonic() + grace
+        while self._running() and time.monotonic() < until:
+            time.sleep(0.05)
+        self._signal(signal.SIGKILL)
+
+    def wait(self, timeout: float, grace: float = 3.0) -> int:
+        """The first non-zero exit status (0 if none). Past ``timeout`` every rank's session is
+        killed and TimeoutExpired raised."""
+        deadline = time.monotonic() + timeout
+        stop_at = None
+        try:
+            while self._running():
+                now = time.monotonic()
+                if now > deadline:
+                    raise subprocess.TimeoutExpired("ranks", timeout)
+                if stop_at is None and self._failed():
+                    stop_at = now + grace
+                if stop_at is not None and now > stop_at:
+                    self._stop(grace)
+                time.sleep(0.02)
+        finally:
+            if self._running():
+                self._signal(signal.SIGKILL)
+            for proc in self.procs:
+                proc.wait()
+        return next((proc.returncode for proc in self.procs if proc.returncode), 0)
 
 
 def run_ranks(
@@ -153,8 +228,8 @@ def run_ranks(
     env: dict[str, str] | None = None,
     path: Iterable[str | os.PathLike] = (),
 ) -> list[Any]:
-    """Run ``module:function(**kwargs)`` on ``nproc`` gloo-ready processes under torchrun (what
-    users run); return the results by rank.
+    """Run ``module:function(**kwargs)`` on ``nproc`` gloo-ready processes, each with the
+    environment torchrun gives its workers (:func:`launch_env`); return the results by rank.
 
     ``env`` adds to the workers' environment; ``path`` adds folders to find the module in
     (besides the one this process finds it in). A failure raises :class:`RanksFailed` with each
@@ -166,39 +241,25 @@ def run_ranks(
         (outdir / "kwargs.json").write_text(json.dumps(kwargs or {}))
         for attempt in range(2):  # a second try only if another process took the free port
             logdir = outdir / f"logs-{attempt}"
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc-per-node={nproc}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={free_port()}",
-                f"--log-dir={logdir}",
-                "--redirects=3",
-                str(RANK_SCRIPT),
-                target,
-                str(outdir),
-            ]
+            group = _RankGroup(target, outdir, logdir, rank_env, nproc)
             try:
-                proc = _run_group(cmd, rank_env, timeout)
+                code = group.wait(timeout)
             except subprocess.TimeoutExpired as err:
                 raise RanksFailed(
                     f"{target} did not finish on {nproc} processes within {timeout:.0f} s\n"
                     f"{_rank_logs(logdir, nproc)}"
                 ) from err
-            output = proc.stderr + _rank_logs(logdir, nproc)
-            if "address already in use" not in output.lower():
+            output = _rank_logs(logdir, nproc)
+            if code == 0 or "address already in use" not in output.lower():
                 break
+            for stale in outdir.glob("rank-*.json"):
+                stale.unlink()
         results = [outdir / f"rank-{r}.json" for r in range(nproc)]
         finished = all(result.exists() for result in results)
         # every rank returned and wrote its result; only gloo's exit race aborted a process
         exit_race_only = finished and GLOO_EXIT_ABORT in output
-        if proc.returncode != 0 and not exit_race_only:
-            raise RanksFailed(
-                f"{target} failed on {nproc} processes (exit {proc.returncode})\n"
-                f"{_rank_logs(logdir, nproc)}\n"
-                f"--- torchrun ---\n{proc.stderr[-3000:]}"
-            )
+        if code != 0 and not exit_race_only:
+            raise RanksFailed(f"{target} failed on {nproc} processes (exit {code})\n{output}")
         return [json.loads(result.read_text()) for result in results]
 
 
