@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 from accelkit.lazy import lazy_getattr
 
 #: major.minor: the major number changes when a name is removed or changes meaning
-SDK_VERSION = "1.8"
+SDK_VERSION = "1.9"
 
 #: name -> the core module that defines it (loaded on first access)
 _SOURCES: dict[str, str] = {
@@ -180,6 +180,7 @@ _SOURCES: dict[str, str] = {
     "BucketMissing": "accelkit.checkpoint.store.base",
     "ObjectExists": "accelkit.checkpoint.store.base",
     "VersionChanged": "accelkit.checkpoint.store.base",
+    "read_timeout_option": "accelkit.checkpoint.store.base",
     "BucketStore": "accelkit.checkpoint.store.bucket",
     "ObjectLocation": "accelkit.checkpoint.store.bucket",
     "store_for": "accelkit.checkpoint.store",
@@ -335,6 +336,7 @@ __all__ = [
     "BucketMissing",
     "ObjectExists",
     "VersionChanged",
+    "read_timeout_option",
     "BucketStore",
     "ObjectLocation",
     "store_for",
@@ -479,6 +481,7 @@ if TYPE_CHECKING:
         Store,
         StoredObject,
         VersionChanged,
+        read_timeout_option,
     )
     from accelkit.checkpoint.store.bucket import BucketStore, ObjectLocation
     from accelkit.checkpoint.write.writer import agree

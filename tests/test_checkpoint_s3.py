@@ -553,3 +553,19 @@ def test_the_object_storage_example_of_the_docs_runs_against_the_server(s3, caps
     assert "demo-run/latest" in keys
     assert sorted({k.split("/")[1] for k in keys if k.count("/") == 2}) == ["step-2", "step-3"]
     client.delete_objects(Bucket=s3.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+
+
+def test_read_timeout_is_a_storage_option_and_a_bad_one_is_refused(s3):
+    """``read_timeout`` reaches the client (a stalled GET is retried after it: the store suite's
+    stall case); a value that is not a positive number fails before any request, naming it."""
+    from accelkit.checkpoint.store.s3_client import bucket_for
+
+    accel, model, _, _ = _setup()
+    accel.save(s3.url("t/step-1"), {"model": model}, storage_options={"read_timeout": 2.5})
+    accel.load(s3.url("t"), {"model": model}, storage_options={"read_timeout": 2.5})
+    bucket = s3.url("t").split("/")[2]
+    assert bucket_for(bucket, {"read_timeout": 2.5}).client.meta.config.read_timeout == 2.5
+    for bad in (0, -1, "fast", True):
+        with pytest.raises(accelkit.CheckpointError, match="read_timeout must be a positive"):
+            accel.save(s3.url("t/step-2"), {"model": model}, storage_options={"read_timeout": bad})
+    assert s3.keys("t/step-2") == []

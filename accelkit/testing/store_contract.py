@@ -55,8 +55,10 @@ ANOTHER_JOB = "another job writes here"
 #: the loser's error where its save began after the other's commit, on a store that never
 #: replaces a committed name: as clear, and nothing of either job is lost
 COMMITTED_ALREADY = "is a committed checkpoint already"
-#: a stall longer than every store's read timeout (60 s)
+#: a stall longer than every store's default read timeout (60 s)
 STALL_PAST_TIMEOUT_S = 150.0
+#: a stall longer than the short read timeout a store with the option is given
+STALL_PAST_SHORT_TIMEOUT_S = 30.0
 #: runs of each racy case in a row
 RACE_RUNS = 20
 #: rank 0's file, whatever save-unique part a store puts in its name (a regular expression)
@@ -393,22 +395,27 @@ class StoreContract:
 
     @pytest.mark.slow
     def test_a_stall_past_the_read_timeout_is_retried(self, place: Place) -> None:
-        """The manifest's GET answers nothing for :data:`STALL_PAST_TIMEOUT_S` (longer than
-        any store's read timeout, 60 s): the client gives up on it and asks again; the load
-        succeeds, never hangs."""
+        """The manifest's GET answers nothing for longer than the store's read timeout: the
+        client gives up on it and asks again; the load succeeds, never hangs. A store with a
+        ``read_timeout`` option (:attr:`Place.short_read_timeout`) is given a short one and a
+        stall of :data:`STALL_PAST_SHORT_TIMEOUT_S`; any other, :data:`STALL_PAST_TIMEOUT_S`."""
         self._networked(place)
         want = self._saved(place)
         assert place.proxy is not None
+        options = place.short_read_timeout
+        stall = STALL_PAST_TIMEOUT_S if options is None else STALL_PAST_SHORT_TIMEOUT_S
         rule = place.proxy.inject(
-            Stall(seconds=STALL_PAST_TIMEOUT_S, lose=True),
+            Stall(seconds=stall, lose=True),
             **place.request("read", r"run/step-1/accelkit\.json"),
         )
         accel, state = _fresh()
         started = time.monotonic()
-        result = _outcome(lambda: accel.load(place.url("run"), state), state)
+        result = _outcome(
+            lambda: accel.load(place.url("run"), state, storage_options=options), state
+        )
         assert rule.fired == 1
         _check_load(result, want, must_succeed=True)
-        assert time.monotonic() - started < STALL_PAST_TIMEOUT_S, "the client waited out the stall"
+        assert time.monotonic() - started < stall, "the client waited out the stall"
 
     @pytest.mark.slow
     @pytest.mark.parametrize("op", ["load", "save"])

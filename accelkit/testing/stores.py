@@ -35,6 +35,9 @@ from accelkit.testing.faultproxy import FaultProxy
 
 __all__ = ["PLACES", "DiskPlace", "GCSPlace", "Place", "S3Place", "open_place", "register_place"]
 
+#: the read timeout (seconds) a stall case asks of a store that has the option
+SHORT_READ_TIMEOUT_S = 3.0
+
 _SERVERS: dict[str, Any] = {}
 
 
@@ -59,6 +62,10 @@ class Place:
     #: whether a save onto a committed name replaces it (disk swaps the directory); an object
     #: store refuses a committed name, so of two saves of one name only one ever commits
     replaces_committed = False
+    #: ``storage_options`` that make the client give up on a silent server within
+    #: :data:`SHORT_READ_TIMEOUT_S` (None: the store has no such option; the stall case then
+    #: outlasts its default read timeout)
+    short_read_timeout: dict[str, float] | None = None
 
     def __init__(self, name: str) -> None:
         self.prefix = f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)[:60]}-{uuid.uuid4().hex[:8]}"
@@ -133,6 +140,7 @@ class DiskPlace(Place):
 
 class S3Place(Place):
     kind = "s3"
+    short_read_timeout = {"read_timeout": SHORT_READ_TIMEOUT_S}
 
     def __init__(self, name: str) -> None:
         from accelkit.testing.s3_server import LocalS3Server
@@ -188,6 +196,7 @@ class S3Place(Place):
 
 class GCSPlace(Place):
     kind = "gs"
+    short_read_timeout = {"read_timeout": SHORT_READ_TIMEOUT_S}
 
     def __init__(self, name: str) -> None:
         from accelkit.testing.gcs_server import LocalGCSServer

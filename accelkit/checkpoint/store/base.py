@@ -54,6 +54,18 @@ class VersionChanged(CheckpointError):
     """A read pinned to one version of an object found another: it was replaced meanwhile."""
 
 
+def read_timeout_option(value: Any, default: float) -> float:
+    """``storage_options["read_timeout"]``: seconds a request may wait for the server's next
+    bytes before it is retried (a stalled connection); a positive number."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(
+            f"storage_options: read_timeout must be a positive number of seconds, got {value!r}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class StoredObject:
     """One object of a bucket: its key, size and version (S3's ETag, GCS's generation: what

@@ -27,6 +27,7 @@ from accelkit.checkpoint.store.base import (
     ObjectMissing,
     StoredObject,
     VersionChanged,
+    read_timeout_option,
 )
 from accelkit.errors import CheckpointError
 
@@ -114,17 +115,18 @@ class S3Bucket:
 
         options = dict(storage_options or {})
         profile = options.pop("profile", None) or options.pop("profile_name", None)
+        read_timeout = read_timeout_option(options.pop("read_timeout", None), READ_TIMEOUT)
         client_args: dict[str, Any] = {}
         for key, value in options.items():
             if key not in _CLIENT_OPTIONS:
-                known = ", ".join(sorted({*_CLIENT_OPTIONS, "profile"}))
+                known = ", ".join(sorted({*_CLIENT_OPTIONS, "profile", "read_timeout"}))
                 raise CheckpointError(f"storage_options: unknown key {key!r}; known: {known}")
             if value is not None:
                 client_args[_CLIENT_OPTIONS[key]] = value
         config = Config(
             retries={"total_max_attempts": MAX_ATTEMPTS, "mode": "standard"},
             connect_timeout=CONNECT_TIMEOUT,
-            read_timeout=READ_TIMEOUT,
+            read_timeout=read_timeout,
             max_pool_connections=2 * CONCURRENCY,
         )
         session = boto3.session.Session(profile_name=profile)

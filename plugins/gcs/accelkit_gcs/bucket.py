@@ -33,6 +33,7 @@ from accelkit.sdk import (
     ObjectMissing,
     StoredObject,
     VersionChanged,
+    read_timeout_option,
 )
 
 #: attempts per request and the longest wait between two; timeouts (seconds)
@@ -49,13 +50,13 @@ _SET = (
     "set STORAGE_EMULATOR_HOST or storage_options={'endpoint': <url>} (no credentials)."
 )
 #: what ``storage_options`` may hold
-OPTIONS = ("endpoint", "token")
+OPTIONS = ("endpoint", "token", "read_timeout")
 
 
 class GCSBucket:
     """``gs://<name>``. ``storage_options``: ``endpoint`` (default ``STORAGE_EMULATOR_HOST``,
     else Google's), ``token`` (a bearer token; else Application Default Credentials through
-    google-auth, or none for an emulator)."""
+    google-auth, or none for an emulator), ``read_timeout`` (seconds, default 60)."""
 
     scheme = "gs"
     part_bytes = PART_BYTES
@@ -74,7 +75,8 @@ class GCSBucket:
         self.endpoint = endpoint.rstrip("/") if "://" in endpoint else "http://" + endpoint
         self.name, self._token, self._credentials = name, options.get("token"), None
         self._anonymous = self._token is None and bool(options.get("endpoint") or emulator)
-        timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
+        read = read_timeout_option(options.get("read_timeout"), READ_TIMEOUT_S)
+        timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=read)
         self.http = urllib3.PoolManager(maxsize=16, timeout=timeout, retries=False)
         self._broken = urllib3.exceptions.HTTPError
 

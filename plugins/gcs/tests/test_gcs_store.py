@@ -52,6 +52,18 @@ def test_an_unknown_storage_option_is_refused_naming_the_known_ones(server):
         store.is_checkpoint("gs://ckpts/run")
 
 
+def test_a_read_timeout_that_is_not_a_positive_number_is_refused(server):
+    import accelkit
+    from accelkit.sdk import store_for
+
+    for bad in (0, "60s"):
+        store = store_for("gs://ckpts/run", {"endpoint": server.endpoint, "read_timeout": bad})
+        with pytest.raises(accelkit.CheckpointError, match="read_timeout must be a positive"):
+            store.is_checkpoint("gs://ckpts/run")
+    store = store_for("gs://ckpts/run", {"endpoint": server.endpoint, "read_timeout": 5})
+    assert store.is_checkpoint("gs://ckpts/run") is False
+
+
 def test_a_missing_bucket_fails_clearly(server, monkeypatch):
     import accelkit
 
