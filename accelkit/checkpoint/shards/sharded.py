@@ -446,19 +446,34 @@ def load_slot_states(
     return zero_d
 
 
-def check_group_scalars(reader: Any, name: str, library: str, key: str = "step") -> None:
-    """Before anything is written: under ``strict``, every saved param group's parameters hold
-    one ``key`` (``step``), which a library that keeps it per group (``library``) needs; a
-    checkpoint whose parameters' steps differ is refused here, while the live state is still
-    whole, not halfway through the load (:func:`group_scalar` then only picks the value)."""
+def check_group_scalars(
+    reader: Any,
+    name: str,
+    library: str,
+    key: str = "step",
+    *,
+    groups: dict[str, list[str]] | None = None,
+    per: str = "param group",
+) -> None:
+    """Before anything is written: under ``strict``, the parameters that share one ``key``
+    (``step``) in ``library`` hold one value in the checkpoint. ``groups`` names those sets
+    (``{where: [parameter names]}``; default: each saved param group). A checkpoint whose
+    parameters' steps differ within a set is refused here, while the live state is still whole,
+    not halfway through the load (:func:`group_scalar` then only picks the value)."""
     info = reader.object_info(name, "optimizer")
     if not reader.strict or info.get("step_granularity", "param") == "group":
         return
     entries = reader.optimizer_entries(name)
     scalars = info.get("scalar_state", {}) or {}
-    for index, group in enumerate(info.get("param_groups") or []):
+    if groups is None:
+        groups = {
+            f"param group {index}": list(group.get("params", []))
+            for index, group in enumerate(info.get("param_groups") or [])
+            if isinstance(group, dict)
+        }
+    for where, names in groups.items():
         values: dict[str, float] = {}
-        for pname in group.get("params", []) if isinstance(group, dict) else []:
+        for pname in names:
             if key in entries.get(pname, {}):
                 values[pname] = float(reader.read(entries[pname][key]))
             else:
@@ -466,8 +481,9 @@ def check_group_scalars(reader: Any, name: str, library: str, key: str = "step")
                 if isinstance(value, (int, float)):
                     values[pname] = float(value)
         if len(set(values.values())) > 1:
-            where = f"param group {index}"
-            group_scalar(reader, name, info, key, values, where, library, warn_conversion=False)
+            group_scalar(
+                reader, name, info, key, values, where, library, per=per, warn_conversion=False
+            )
 
 
 def group_scalar(

@@ -40,6 +40,7 @@ from accelkit.sdk import (
     Slot,
     canonical_fqn,
     check_dense_load,
+    check_group_scalars,
     check_module_targets,
     check_optimizer,
     check_shape,
@@ -310,6 +311,16 @@ def check_fsdp_load(backend: Any, reader: Any, state: dict[str, Any]) -> None:
         ]
         live = opt.state if type(opt).__module__.startswith("torch.optim") else None
         check_optimizer(reader, name, opt.param_groups, names, live)
+        # FairScale keeps one step per flat parameter: steps that differ inside one are refused
+        # now, not halfway through the fill
+        flats = {
+            f"the flat parameter of {', '.join(p.fqn for p in flat.pieces)}": [
+                piece.fqn for piece in flat.pieces
+            ]
+            for group in opt.param_groups
+            for flat in (by_param[id(p)] for p in group["params"])
+        }
+        check_group_scalars(reader, name, "FairScale", groups=flats, per="flat parameter")
     if dense:
         check_dense_load(backend, reader, state, names=dense)
 

@@ -216,10 +216,17 @@ def ckpt_job(
     options: dict[str, Any] | None = None,
     shim: bool = False,
     batch: int = BATCH,
+    skew_step: bool = False,
+    strict: bool = True,
+    refused: bool = False,
 ) -> dict[str, Any]:
     """Train ``total`` steps (accumulation 1, clip 1.0); optionally load first (then continue
     from the saved step) and save after step ``save_at``. Records the losses and the full state
-    gathered through the library's own path at the save and right after the load."""
+    gathered through the library's own path at the save and right after the load.
+
+    ``skew_step``: the last parameter's torch ``step`` is one behind the others in the save.
+    ``refused``: a load expected to fail returns its error and whether the live state (the
+    library's own gather) is what it was before the load."""
     import accelkit
 
     if shim:
@@ -238,7 +245,14 @@ def ckpt_job(
     result: dict[str, Any] = {"losses": {}}
     step = 0
     if load_from:
-        accel.load(load_from, state)
+        before = native_full_state(backend, model, optimizer) if refused else None
+        try:
+            accel.load(load_from, state, strict=strict)
+        except Exception as err:
+            if before is None:
+                raise
+            after = native_full_state(backend, model, optimizer)
+            return {"error": f"{type(err).__name__}: {err}", "unchanged": after == before}
         step = state["step"]
         result["after_load"] = native_full_state(backend, model, optimizer)
     while step < total:
@@ -250,6 +264,9 @@ def ckpt_job(
             step += 1
             if step == save_at and save_to:
                 state["step"] = step
+                if skew_step:
+                    last = optimizer.optimizer.param_groups[0]["params"][-1]
+                    optimizer.optimizer.state[last]["step"] -= 1
                 accel.save(save_to, state)
                 result["at_save"] = native_full_state(backend, model, optimizer)
             if step >= total:

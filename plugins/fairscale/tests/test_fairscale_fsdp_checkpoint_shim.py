@@ -30,7 +30,7 @@ TOTAL, SAVE_AT = 10, 6
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fairscale-fsdp-ckpt")
-    names = ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2", "fsdp_w1_16")
+    names = ("fsdp", "ddp", "fsdp_w1", "fsdp16", "fsdp2", "fsdp_w1_16", "cpu_skew")
     ck = {name: str(root / name) for name in names}
     common = dict(total=TOTAL, save_at=SAVE_AT)
     shim = dict(backend="fairscale_fsdp", shim=True)
@@ -75,6 +75,31 @@ def runs(tmp_path_factory) -> dict[str, Any]:
                     batch=4,
                     total=TOTAL,
                     load_from=ck["fsdp_w1_16"],
+                ),
+                # steps that differ inside one flat parameter: refused before the fill
+                dict(
+                    name="cpu_skew",
+                    backend="cpu",
+                    batch=4,
+                    save_to=ck["cpu_skew"],
+                    skew_step=True,
+                    **common,
+                ),
+                dict(
+                    name="fsdp_w1<-cpu_skew",
+                    batch=4,
+                    total=SAVE_AT + 1,
+                    load_from=ck["cpu_skew"],
+                    refused=True,
+                    **shim,
+                ),
+                dict(
+                    name="fsdp_w1<-cpu_skew,loose",
+                    batch=4,
+                    total=SAVE_AT + 1,
+                    load_from=ck["cpu_skew"],
+                    strict=False,
+                    **shim,
                 ),
             ]
         },
@@ -203,3 +228,19 @@ def test_manifest_cuts_flat_shards_into_original_parameters_shim(runs):
     for entry in straddling:
         files = {f["file"] for f in entry["fragments"]}
         assert files == {"rank-00000.safetensors", "rank-00001.safetensors"}
+
+
+def test_steps_that_differ_inside_a_flat_parameter_are_refused_before_the_fill_shim(runs):
+    """A torch run whose last parameter's AdamW ``step`` lags the others (one flat parameter
+    in FairScale, which keeps one ``step`` per flat parameter): under ``strict`` the load is
+    refused before anything is written, not halfway through as a PartialLoadError, and the
+    live state is what it was; ``strict=False`` takes the largest step."""
+    refused = runs["one"]["fsdp_w1<-cpu_skew"]
+    error = refused.get("error", "")
+    assert error.startswith("CheckpointError: "), refused
+    assert "the flat parameter of" in error and "'step'" in error, error
+    assert "strict=False" in error, error
+    assert refused["unchanged"] is True
+    loose = _job(runs, "fsdp_w1<-cpu_skew,loose")
+    steps = {name: values["step"] for name, values in loose["after_load"]["optim"].items()}
+    assert steps and set(map(tuple, steps.values())) == {(float(SAVE_AT),)}, steps
