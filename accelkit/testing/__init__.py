@@ -210,6 +210,7 @@ class _RankGroup:
                     stop_at = now + grace
                 if stop_at is not None and now > stop_at:
                     self._stop(grace)
+                    break
                 time.sleep(0.02)
         finally:
             if self._running():

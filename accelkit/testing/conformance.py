@@ -95,8 +95,8 @@ _SERIALS: dict[type, int] = {}
 
 
 def _serial(cls: type) -> int:
-    """A number no other contract class of this process gets: ``id`` is reused once a class
-    made by :func:`backend_contract` is freed, and its cached runs and folder with it."""
+    """A number no other contract class of this process gets, for its cached runs and its
+    folder: ``id`` is reused once a class made by :func:`backend_contract` is freed."""
     return _SERIALS.setdefault(cls, len(_SERIALS))
 
 
@@ -261,7 +261,7 @@ class BackendContract:
             gpus = torch.cuda.device_count()
             if nproc > gpus:
                 pytest.skip(f"{nproc} ranks need {nproc} GPUs; this machine has {gpus}")
-        cache_key = (cls, *key)  # the class itself: an id is reused once a class is freed
+        cache_key = (_serial(cls), *key)
         if cache_key not in _CACHE:
             try:
                 _CACHE[cache_key] = run_ranks(
